@@ -1,0 +1,69 @@
+"""`python -m pipeline <command>`: one sub-command per stage, each also a Python function.
+
+Stage modules register their own sub-commands through `add_cli(subparsers)` and keep heavy
+imports (torch, transformers) inside functions, so that `--help` and light commands start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pipeline.errors import UserError
+
+STAGE_MODULES = (
+    "pipeline.configs",
+    "pipeline.activations",
+    "pipeline.memory",
+    "pipeline.simulate",
+    "pipeline.fit",
+    "pipeline.estimate",
+    "pipeline.validate",
+    "pipeline.dataset",
+    "pipeline.figures",
+    "pipeline.publish",
+)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments get one line naming the problem and exit code 2 (no usage dump)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for name in STAGE_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # stage not written yet
+        module.add_cli(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args) or 0
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130

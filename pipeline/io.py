@@ -1,0 +1,39 @@
+"""Atomic writes: an output is either whole or absent, never half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike):
+    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_parquet(frame, path) -> None:
+    with atomic_path(path) as tmp:
+        frame.to_parquet(tmp, index=False)
+
+
+def write_json(data, path) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_text(text: str, path) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
