@@ -10,7 +10,6 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jsonschema
 import yaml
 
 from pipeline.errors import UserError
@@ -73,6 +72,8 @@ def load_registry(path: str | Path = DEFAULT_REGISTRY, check_model_types: bool =
 
 
 def validate_registry_data(data, name: str = "models.yaml", check_model_types: bool = True) -> None:
+    import jsonschema  # here, not at the top: the GPU machine imports this module but has no jsonschema
+
     validator = jsonschema.Draft202012Validator(load_schema())
     errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
     if errors:
@@ -89,7 +90,7 @@ def validate_registry_data(data, name: str = "models.yaml", check_model_types: b
             _check_config_facts(name, index, item)
 
 
-def _describe(error: jsonschema.ValidationError, data) -> str:
+def _describe(error, data) -> str:
     path = list(error.absolute_path)
     where = ""
     if len(path) >= 2 and path[0] == "models" and isinstance(path[1], int):
@@ -115,8 +116,12 @@ def _check_config_facts(name: str, index: int, item: dict) -> None:
     model_type = config["model_type"]
     if model_type not in CONFIG_MAPPING:
         raise UserError(f"{label}: field 'config.model_type': unknown model_type {model_type!r}")
-    aliases = CONFIG_MAPPING[model_type].attribute_map
+    config_class = CONFIG_MAPPING[model_type]
+    aliases = config_class.attribute_map
+    defaults = config_class()
     for fact in REQUIRED_SHAPE_FACTS:
+        if not hasattr(defaults, fact):
+            continue  # e.g. no attention heads in a state-space model
         names = {fact, aliases.get(fact, fact)}  # e.g. gpt2 stores hidden_size as n_embd
         if not names & config.keys() and not _nested_text_config_has(config, names):
             raise UserError(f"{label}: field 'config.{fact}': missing")
