@@ -35,10 +35,16 @@ def config_from_dict(facts: dict, label: str = "config") -> object:
         raise UserError(f"{label}: field 'model_type': missing")
     if model_type not in CONFIG_MAPPING:
         raise UserError(f"{label}: field 'model_type': unknown model_type {model_type!r}")
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # defaults of unstated token ids warn, and they change no shape
     try:
         return CONFIG_MAPPING[model_type].from_dict(dict(facts))
     except (TypeError, ValueError) as exc:
         raise UserError(f"{label}: {str(exc).splitlines()[0]}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def config_from_file(path: str | Path) -> ResolvedConfig:

@@ -1,0 +1,1064 @@
+"""Stage 3: parameter and activation counts of every registry model, on the meta device (no weights).
+
+Two activation counts (DESIGN.md, binding):
+
+- `hook` (the blog's method): sum of the tensor outputs of every module of `model.modules()` (a tensor,
+  or the tensors inside a tuple/list output) in a forward of a (B, L) int64 input, eval mode,
+  `no_grad`; elements, and bytes = elements x element size of the dtype.
+- `saved`: bytes of the distinct storages that autograd saves during the forward of the standard
+  training step (train mode, `use_cache=False`, `labels=ids`), the model's parameters and buffers
+  excluded.
+
+Forwards run on the meta device (`forward=meta`). When a forward needs a value that meta tensors do
+not have (`Tensor.item()` in a data-dependent branch), it runs again with the values that follow
+from the input ids computed for real on the CPU beside the meta tensors (`forward=meta-fallback`):
+position ids, masks and packed-sequence checks get their true values, weights stay absent. What
+still fails runs on the CPU with random weights when the model is small (`forward=cpu`), else the
+row is an error with its reason.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+from pipeline.errors import UserError
+
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Precision modes of the saved-for-backward count (DESIGN.md): the dtype of the weights, and
+# whether the forward runs under CUDA's autocast policy to bfloat16.
+PRECISIONS = {"float32": ("float32", False), "bfloat16": ("bfloat16", False), "amp-bf16": ("float32", True)}
+# Element size used for the bytes of a precision (amp-bf16 computes the matmuls in bfloat16).
+PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "amp-bf16": 2}
+
+HOOK_DTYPES = ("float32", "bfloat16")  # hook elements do not depend on the dtype: one forward, two rows
+SAVED_PRECISIONS = ("float32", "bfloat16", "amp-bf16")
+
+
+@dataclass(frozen=True)
+class PointSet:
+    """The (B, L) points of each method; L beyond a model's context length is skipped."""
+
+    hook: tuple
+    saved: tuple
+    precisions: tuple = SAVED_PRECISIONS
+
+
+HOOK_POINTS = ((1, 1), (1, 128), (1, 1024), (4, 512))
+POINT_SETS = {
+    "blog": PointSet(hook=((1, 1),), saved=(), precisions=()),
+    "standard": PointSet(hook=HOOK_POINTS, saved=((1, 128), (1, 512), (1, 2048), (1, 8192), (4, 512))),
+    "full": PointSet(hook=HOOK_POINTS,
+                     saved=tuple((1, seq) for seq in (128, 256, 512, 1024, 2048, 4096, 8192)) + ((4, 512),)),
+}
+DEFAULT_POINTS = "standard"
+
+# A meta forward costs the same at any L, except where the model loops over the sequence in Python
+# (e.g. state-space models without their CUDA kernels). Once that shows, points whose estimated
+# time passes this limit are skipped; no point runs longer than the hard limit.
+POINT_ESTIMATE_LIMIT_S = 15.0
+POINT_TIME_LIMIT_S = 60.0
+MODEL_TIME_LIMIT_S = 300.0
+# A CPU forward (the last path) holds its activations for real: it is tried only when they are
+# likely (8 bytes x hook elements per token x tokens) to stay below this.
+CPU_FORWARD_MAX_BYTES = 4 * 2**30
+# Largest input-derived tensor whose values the meta-fallback computes on the CPU: (B, L) tensors
+# such as position ids and padding masks, not (L, L) attention masks at long L.
+TRACKED_VALUE_MAX_ELEMENTS = 2**15
+
+NUM_EXPERTS_NAMES = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                     "num_routed_experts", "n_experts")
+TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_top_k", "num_selected_experts",
+               "moe_k", "experts_per_token")
+KV_HEADS_NAMES = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "num_query_groups", "multi_query_group_num")
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters and architecture facts (models.parquet)
+
+
+def parameter_counts(model, config) -> dict:
+    """N, embedding, non-embedding and active (per token, MoE) parameters of a built model."""
+    import torch
+
+    params = list(model.parameters())  # shared/tied parameters come once
+    total = sum(p.numel() for p in params)
+    embedding_ids = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    embedding = sum(p.numel() for p in params if id(p) in embedding_ids)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    untied_head = sum(p.numel() for p in output.parameters() if id(p) not in embedding_ids) if output else 0
+    num_experts, top_k = moe_routing(config)
+    routed = routed_expert_parameters(model, num_experts)
+    active = total - routed * (1 - top_k / num_experts) if routed else total
+    return {
+        "parameters": total,
+        "embedding_parameters": embedding,
+        "non_embedding_parameters": total - embedding - untied_head,
+        "active_parameters": int(round(active)),
+        "routed_expert_parameters": routed,
+    }
+
+
+def moe_routing(config) -> tuple[int | None, int | None]:
+    """(number of routed experts, experts selected per token) from a config, under their various names."""
+    text = text_config(config)
+    num_experts = _first_int(text, NUM_EXPERTS_NAMES)
+    top_k = _first_int(text, TOP_K_NAMES)
+    if not num_experts or num_experts < 2 or not top_k:
+        return None, None
+    return num_experts, top_k
+
+
+def routed_expert_parameters(model, num_experts: int | None) -> int:
+    """Parameters of the routed experts: under a module named `*experts*` (not shared experts),
+    stacked with a leading dimension of `num_experts` or held in a ModuleList of `num_experts` experts."""
+    import torch
+
+    if not num_experts:
+        return 0
+    seen, total = set(), 0
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1].lower()
+        if "expert" not in last or "shared" in last:
+            continue
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_experts:
+            candidates = list(module.parameters())
+        else:
+            candidates = [p for p in module.parameters(recurse=False) if p.dim() and p.shape[0] == num_experts]
+        for p in candidates:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+    return total
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _first_int(config, names) -> int | None:
+    """The first of `names` set to an int on the config or on a nested part of it (e.g. dbrx's ffn_config)."""
+    nested = [value for key, value in vars(config).items() if not key.startswith("_") and hasattr(value, "to_dict")]
+    for source in (config, *nested):
+        for name in names:
+            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def architecture_facts(config) -> dict:
+    """Shape facts of models.parquet (docs/architecture.md), read from the text config."""
+    from pipeline.configs import context_length
+
+    text = text_config(config)
+    heads = _first_int(text, ("num_attention_heads", "n_head"))  # not num_heads: SSM heads in mamba2
+    hidden = _first_int(text, ("hidden_size", "n_embd", "d_model"))
+    kv_heads = _first_int(text, KV_HEADS_NAMES)
+    if kv_heads is None and heads:
+        kv_heads = 1 if getattr(text, "multi_query", False) else heads
+    head_dim = _first_int(text, ("head_dim",)) or (hidden // heads if hidden and heads else None)
+    num_experts, top_k = moe_routing(config)
+    return {
+        "num_hidden_layers": _first_int(text, ("num_hidden_layers", "n_layer", "num_layers")),
+        "hidden_size": hidden,
+        "intermediate_size": _first_int(text, ("intermediate_size", "n_inner", "ffn_hidden_size")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": _first_int(text, ("vocab_size",)),
+        "context_length": context_length(config),
+        "tie_word_embeddings": bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))),
+        "attention_kind": attention_kind(text, heads, kv_heads),
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+    }
+
+
+def attention_kind(text, heads: int | None, kv_heads: int | None) -> str:
+    if getattr(text, "kv_lora_rank", None):
+        return "mla"  # multi-head latent attention (DeepSeek-V2/V3 and kin)
+    if not heads:
+        return "none"  # state-space and recurrent models
+    if kv_heads == heads:
+        return "mha"
+    return "mqa" if kv_heads == 1 else "gqa"
+
+
+# --------------------------------------------------------------------------------------------
+# Meta-device forwards
+
+
+class _DispatchModes:
+    """The dispatch modes of the counting forwards (defined on first use: they need torch).
+
+    `meta(track_values)`, the mode of every meta forward:
+    - Shape cache: the Python meta kernels of many ops cost ~0.3 ms each; a decoder's layers repeat
+      the same shapes, so outputs of functional ops are made from cached (size, stride, dtype).
+    - `_grouped_mm` (MoE experts): its meta kernel accepts only bfloat16 (CUDA's fast path), while
+      the real CPU and CUDA kernels take any float dtype through their fallback; the meta output is
+      made with the input dtype.
+    - Tracked values (meta-fallback): tensors whose values follow from known values (the input
+      ids, factories such as arange) are also computed for real on the CPU, so that `.item()`,
+      `nonzero` and friends on them give true answers; weights and what derives from them stay meta.
+
+    `zero_weight_retry()`, the mode of CPU forwards with zero-stride weights: an op that refuses
+    such a weight runs again with that weight materialised (one weight at a time).
+    """
+
+    classes = None
+
+    @classmethod
+    def meta(cls, track_values: bool):
+        return cls._classes()[0](track_values)
+
+    @classmethod
+    def zero_weight_retry(cls):
+        return cls._classes()[1]()
+
+    @classmethod
+    def _classes(cls):
+        if cls.classes is None:
+            cls.classes = _define_dispatch_modes()
+        return cls.classes
+
+
+def _define_dispatch_modes():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    meta = torch.device("meta")
+    relaxed_bf16_only = {aten._grouped_mm.default}
+    shape_cache: dict = {}  # shared by all models of a process: keys are exact shapes
+    cacheable: dict = {}
+    writes: dict = {}
+
+    def is_cacheable(func) -> bool:
+        if func not in cacheable:
+            schema = func._schema
+            cacheable[func] = (
+                not any(a.alias_info is not None for a in schema.arguments)
+                and bool(schema.returns)
+                and all(r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+                and torch.Tag.dynamic_output_shape not in func.tags
+                and torch.Tag.data_dependent_output not in func.tags
+            )
+        return cacheable[func]
+
+    def written_arguments(func) -> tuple:
+        if func not in writes:
+            writes[func] = tuple(i for i, a in enumerate(func._schema.arguments)
+                                 if a.alias_info is not None and a.alias_info.is_write)
+        return writes[func]
+
+    def key_of(x):
+        if isinstance(x, torch.Tensor):
+            return (tuple(x.shape), x.stride(), x.dtype, x.device.type)
+        if isinstance(x, (list, tuple)):
+            return tuple(key_of(y) for y in x)
+        if isinstance(x, dict):
+            return tuple((k, key_of(v)) for k, v in x.items())
+        return x
+
+    def tensors_in(args, kwargs):
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, torch.Tensor):
+                yield x
+            elif isinstance(x, (list, tuple)):
+                yield from (y for y in x if isinstance(y, torch.Tensor))
+
+    def empty_meta_like(x):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=meta)
+
+    class MetaDispatchMode(TorchDispatchMode):
+        def __init__(self, track_values: bool):
+            super().__init__()
+            self.track_values = track_values
+            self.stale_storages = set()  # written in place from unknown values
+
+        def track(self, meta_tensor, value) -> None:
+            """Give a meta tensor (e.g. the input ids) its real value."""
+            meta_tensor._avp_value = (self, value)
+
+        def value(self, tensor):
+            """The real value of a tensor: itself off meta, its tracked value on meta, else None."""
+            if tensor.device != meta:
+                return tensor
+            tracked = getattr(tensor, "_avp_value", None)
+            if tracked is None or tracked[0] is not self:
+                return None
+            if tensor.untyped_storage()._cdata in self.stale_storages:
+                return None
+            return tracked[1]
+
+        def __torch_dispatch__(self, func, types, args, kwargs=None):
+            kwargs = kwargs or {}
+            if self.track_values:
+                result = self.run_with_values(func, args, kwargs)
+                if result is not NotImplemented:
+                    return result
+            return self.run_on_meta(func, args, kwargs)
+
+        def run_on_meta(self, func, args, kwargs):
+            if func in relaxed_bf16_only and args[0].dtype != torch.bfloat16:
+                out = func(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                             for a in args), **kwargs)
+                return torch.empty_strided(out.shape, out.stride(), dtype=args[0].dtype, device=meta)
+            if not is_cacheable(func):
+                return func(*args, **kwargs)
+            key = (func, key_of(args), key_of(kwargs), torch.get_default_dtype())  # factories use the default
+            cached = shape_cache.get(key)
+            if cached is None:
+                out = func(*args, **kwargs)
+                outs = out if isinstance(out, tuple) else (out,)
+                if all(isinstance(o, torch.Tensor) and o.device == meta for o in outs):
+                    shape_cache[key] = (isinstance(out, tuple), [(o.shape, o.stride(), o.dtype) for o in outs])
+                return out
+            is_tuple, specs = cached
+            outs = tuple(torch.empty_strided(s, st, dtype=d, device=meta) for s, st, d in specs)
+            return outs if is_tuple else outs[0]
+
+        def run_with_values(self, func, args, kwargs):
+            """The op on meta, and on real values too when all its inputs have them and the result is small."""
+            tensors = list(tensors_in(args, kwargs))
+            if not (any(t.device == meta for t in tensors) or kwargs.get("device") == meta):
+                return NotImplemented
+            values = [self.value(t) for t in tensors]
+            if any(v is None for v in values):
+                self.mark_stale(func, args)
+                return NotImplemented
+            try:
+                out = self.run_on_meta(func, args, kwargs)
+            except Exception:  # noqa: BLE001 - data-dependent on meta (item, nonzero, copy to cpu): use values
+                real = func(*self.real(args), **self.real(kwargs))
+                if isinstance(real, torch.Tensor) and kwargs.get("device") in (None, meta):
+                    out = empty_meta_like(real)
+                    self.track(out, real)
+                    return out
+                return real  # a number (.item(), equal ...) or a tensor the caller wanted off meta
+            outs = out if isinstance(out, (list, tuple)) else (out,)
+            if all(isinstance(o, torch.Tensor) and o.numel() <= TRACKED_VALUE_MAX_ELEMENTS for o in outs):
+                real = func(*self.real(args), **self.real(kwargs))
+                for meta_out, real_out in zip(outs, real if isinstance(out, (list, tuple)) else (real,)):
+                    self.track(meta_out, real_out)
+            return out
+
+        def real(self, tree):
+            if isinstance(tree, torch.Tensor):
+                return self.value(tree)
+            if isinstance(tree, (list, tuple)):
+                return type(tree)(self.real(x) for x in tree)
+            if isinstance(tree, dict):
+                return {k: ("cpu" if k == "device" and v == meta else self.real(v)) for k, v in tree.items()}
+            return tree
+
+        def mark_stale(self, func, args):
+            """An in-place op with unknown inputs leaves its target's values (and its aliases') unknown."""
+            for index in written_arguments(func):
+                if index < len(args) and isinstance(args[index], torch.Tensor):
+                    self.stale_storages.add(args[index].untyped_storage()._cdata)
+
+    products = {aten.mm.default, aten.bmm.default, aten._grouped_mm.default}
+    products_plus_input = {aten.addmm.default, aten.baddbmm.default}
+
+    def is_zero_weight(x) -> bool:
+        """A zero expanded to a shape: how zero_weight_model stores weights (one element in memory)."""
+        return (isinstance(x, torch.Tensor) and x.numel() > 1 and not any(x.stride())
+                and x.as_strided((), ()).item() == 0)
+
+    class ZeroWeightRetryMode(TorchDispatchMode):
+        """CPU forwards with zero weights: a product with a zero weight is zeros (exactly, and without
+        the work); an op that refuses an expanded weight runs again with it materialised."""
+
+        def __init__(self):
+            super().__init__()
+            self.shapes = MetaDispatchMode(track_values=False)
+
+        def __torch_dispatch__(self, func, types, args, kwargs=None):
+            kwargs = kwargs or {}
+            if func in products or func in products_plus_input:
+                factors = args[:2] if func in products else args[1:3]
+                if any(is_zero_weight(f) for f in factors):
+                    return self.zero_product(func, args, kwargs)
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError:
+                if not any(a.numel() > 1 and not any(a.stride()) for a in tensors_in(args, kwargs)):
+                    raise
+            return func(*[[materialise(y) for y in a] if isinstance(a, (list, tuple)) else materialise(a) for a in args],
+                        **{k: materialise(v) for k, v in kwargs.items()})
+
+        def zero_product(self, func, args, kwargs):
+            on_meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+            shape = self.shapes.run_on_meta(func, on_meta, {k: v.to("meta") if isinstance(v, torch.Tensor) else v
+                                                             for k, v in kwargs.items()})
+            out = torch.zeros(shape.shape, dtype=shape.dtype)
+            if func in products_plus_input:  # beta * input + alpha * (zero product)
+                out += args[0] * kwargs.get("beta", 1)
+            return out
+
+    def materialise(x):
+        return x.contiguous() if isinstance(x, torch.Tensor) and x.numel() > 1 and not any(x.stride()) else x
+
+    return MetaDispatchMode, ZeroWeightRetryMode
+
+
+def _cuda_autocast_emulation():
+    """A TorchFunctionMode applying CUDA's autocast policy (to bfloat16) to tensors of any device.
+
+    `torch.autocast` casts only tensors of its own device type, and meta tensors belong to none, so
+    autocast("cpu"/"cuda") leaves a meta forward in float32. This mode casts at the same op
+    boundaries as CUDA autocast (lists from the PyTorch AMP documentation), above autograd, so the
+    casts and what the ops save are recorded as on CUDA; casts of parameters are cached per forward
+    as autocast does.
+    """
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    lower = {"__matmul__", "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm", "chain_matmul", "multi_dot",
+             "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+             "linear", "matmul", "mm", "mv", "prelu", "scaled_dot_product_attention", "_grouped_mm", "grouped_mm"}
+    fp32 = {"__pow__", "__rdiv__", "__rpow__", "__rtruediv__", "acos", "asin", "binary_cross_entropy_with_logits",
+            "cosh", "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum",
+            "dist", "erfinv", "exp", "expm1", "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss",
+            "layer_norm", "log", "log_softmax", "log10", "log1p", "log2", "margin_ranking_loss", "mse_loss",
+            "multilabel_margin_loss", "multi_margin_loss", "nll_loss", "norm", "normalize", "pdist",
+            "poisson_nll_loss", "pow", "prod", "reciprocal", "rsqrt", "sinh", "smooth_l1_loss",
+            "soft_margin_loss", "softmax", "softmin", "softplus", "sum", "renorm", "tan", "triplet_margin_loss",
+            "rms_norm"}
+    promote = {"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sample", "index_put",
+               "scatter_add", "tensordot"}
+    floating = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+    class CudaAutocast(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.cast_cache = {}
+
+        def cast(self, x, dtype):
+            if not isinstance(x, torch.Tensor) or x.dtype not in floating or x.dtype == dtype:
+                return x
+            if x.is_leaf and x.requires_grad:  # parameters: cast once per forward, as autocast does
+                cached = self.cast_cache.get(id(x))
+                if cached is None or cached[0] is not x:
+                    cached = self.cast_cache[id(x)] = (x, x.to(dtype))
+                return cached[1]
+            return x.to(dtype)
+
+        def cast_all(self, args, kwargs, dtype):
+            args = tuple([self.cast(y, dtype) for y in a] if isinstance(a, (list, tuple)) else self.cast(a, dtype)
+                         for a in args)
+            return args, {k: self.cast(v, dtype) for k, v in kwargs.items()}
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", "")
+            if name in lower:
+                args, kwargs = self.cast_all(args, kwargs, torch.bfloat16)
+            elif name in fp32:
+                args, kwargs = self.cast_all(args, kwargs, torch.float32)
+            elif name in promote:
+                widest = max((x.dtype for x in (*args, *kwargs.values())
+                              if isinstance(x, torch.Tensor) and x.dtype in floating),
+                             key=lambda d: torch.finfo(d).bits, default=None)
+                if widest is not None:
+                    args, kwargs = self.cast_all(args, kwargs, widest)
+            return func(*args, **kwargs)
+
+    return CudaAutocast()
+
+
+# --------------------------------------------------------------------------------------------
+# The two counts, each on one forward
+
+
+def hook_elements(model, ids) -> int:
+    """The blog's method: numel of every module's tensor outputs, eval mode, no_grad."""
+    import torch
+
+    total = 0
+
+    def add_outputs(module, inputs, output):
+        nonlocal total
+        if isinstance(output, torch.Tensor):
+            total += output.numel()
+        elif isinstance(output, (tuple, list)):
+            total += sum(t.numel() for t in output if isinstance(t, torch.Tensor))
+
+    handles = [module.register_forward_hook(add_outputs) for module in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return total
+
+
+def saved_storages(model, ids, autocast: bool = False) -> tuple[int, int]:
+    """(bytes, elements) of the distinct storages autograd saves in the standard step's forward.
+
+    Storages are told apart by their StorageImpl (`_cdata`), which views share and which stays
+    unique while the storage is alive (meta tensors all have data_ptr 0); the model's parameters
+    and buffers, and views of them, are excluded.
+    """
+    import torch
+
+    state = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in state and storage._cdata not in storages:
+            storages[storage._cdata] = (storage, tensor.element_size())
+        return tensor
+
+    model.train()
+    with ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor))
+        if autocast:
+            stack.enter_context(_cuda_autocast_emulation())
+        model(input_ids=ids, labels=ids, use_cache=False)
+    nbytes = sum(storage.nbytes() for storage, _ in storages.values())
+    elements = sum(storage.nbytes() // size for storage, size in storages.values())
+    return nbytes, elements
+
+
+# --------------------------------------------------------------------------------------------
+# One model: forwards with fallback paths
+
+
+FORWARD_PATHS = ("meta", "meta-fallback", "cpu")
+
+
+class PointTimeout(Exception):
+    pass
+
+
+@dataclass
+class Measurement:
+    elements: int | None = None
+    bytes: int | None = None
+    forward: str | None = None
+    status: str = "ok"
+    reason: str | None = None
+    seconds: float = 0.0
+
+
+class ModelCounter:
+    """One model's counting forwards: built on meta once per dtype, falling back path by path.
+
+    Paths: `meta`; `meta-fallback` (input-derived values tracked, see _define_dispatch_mode);
+    `cpu`: a real CPU forward with real buffers and weights that take no memory (a zero expanded
+    to the weight's shape), for branches on weight-derived values such as MoE routing with
+    `.tolist()`; the math SDPA kernel is used there, as on meta.
+    """
+
+    def __init__(self, config):
+        self.config = config
+        self.models = {}
+        self.first_path = {"hook": "meta", "saved": "meta"}
+        self.vocab_size = architecture_facts(config)["vocab_size"] or 2
+        self.elements_per_token = None  # of the hook method, once measured
+
+    def model(self, dtype: str, device: str = "meta"):
+        import torch
+
+        from pipeline.configs import build_model
+
+        if (dtype, device) not in self.models:
+            if device == "cpu":
+                self.models = {key: m for key, m in self.models.items() if key[1] == "meta"}  # one at a time
+                self.models[dtype, device] = zero_weight_model(self.config, dtype)
+            else:
+                self.models[dtype, device] = build_model(self.config, device=device, dtype=getattr(torch, dtype))
+        return self.models[dtype, device]
+
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model("float32").parameters())
+
+    def hook(self, batch: int, seq: int) -> Measurement:
+        measurement = self.measure("hook", batch, seq, "float32",
+                                   lambda model, ids: (hook_elements(model, ids), None))
+        if measurement.status == "ok":
+            self.elements_per_token = measurement.elements / (batch * seq)
+        return measurement
+
+    def saved(self, batch: int, seq: int, precision: str) -> Measurement:
+        dtype, autocast = PRECISIONS[precision]
+
+        def count(model, ids):
+            nbytes, elements = saved_storages(model, ids, autocast)
+            return elements, nbytes
+
+        count.autocast = autocast
+        return self.measure("saved", batch, seq, dtype, count)
+
+    def measure(self, method: str, batch: int, seq: int, dtype: str, count) -> Measurement:
+        start = time.perf_counter()
+        errors = []
+        for path in FORWARD_PATHS[FORWARD_PATHS.index(self.first_path[method]):]:
+            try:
+                elements, nbytes = self.run(path, method, batch, seq, dtype, count)
+            except PointTimeout:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure means: try the next path
+                errors.append(f"{path}: {_one_line(exc)}")
+                continue
+            if path != "cpu":
+                self.first_path[method] = path  # later points start where this one succeeded
+            return Measurement(elements, nbytes, path, seconds=time.perf_counter() - start)
+        return Measurement(status="error", reason="; ".join(errors), seconds=time.perf_counter() - start)
+
+    def run(self, path: str, method: str, batch: int, seq: int, dtype: str, count):
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        ids = self.input_ids(method, batch, seq)
+        if path == "cpu":
+            if count_needs_autocast(count):
+                raise RuntimeError("amp-bf16 is not counted on the CPU path (casts of zero weights would be free)")
+            likely = 8 * (self.elements_per_token or 2e6) * batch * seq
+            if likely > CPU_FORWARD_MAX_BYTES:
+                raise RuntimeError(f"a CPU forward would hold about {likely / 2**30:.0f} GiB of activations")
+            model = self.model(dtype, "cpu")
+            with sdpa_kernel(SDPBackend.MATH), _DispatchModes.zero_weight_retry():
+                return count(model, ids)
+        model = self.model(dtype)
+        mode = _DispatchModes.meta(track_values=path == "meta-fallback")
+        meta_ids = torch.empty(ids.shape, dtype=ids.dtype, device="meta")
+        if path == "meta-fallback":
+            mode.track(meta_ids, ids)
+        with mode:
+            return count(model, meta_ids)
+
+    def input_ids(self, method: str, batch: int, seq: int):
+        """The blog's zeros for the hook method; ids uniform over the vocabulary for the training step."""
+        import torch
+
+        if method == "hook":
+            return torch.zeros((batch, seq), dtype=torch.int64)
+        generator = torch.Generator().manual_seed(0)
+        return torch.randint(0, self.vocab_size, (batch, seq), generator=generator)
+
+
+def count_needs_autocast(count) -> bool:
+    return getattr(count, "autocast", False)
+
+
+def zero_weight_model(config, dtype: str):
+    """The model on the CPU, with real buffers (rotary tables ...) and weights that take no memory.
+
+    Built without weight initialisation (untouched allocations cost no memory), then each weight is
+    replaced by a zero expanded to its shape; tied weights stay tied.
+    """
+    import torch
+    from transformers.initialization import no_init_weights
+
+    from pipeline.configs import build_model
+
+    with no_init_weights():
+        model = build_model(config, device="cpu", dtype=getattr(torch, dtype))
+    zeros = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in zeros:
+                zero = torch.zeros((), dtype=param.dtype).expand(param.shape)
+                zeros[id(param)] = torch.nn.Parameter(zero, requires_grad=param.requires_grad)
+            if param is not None:
+                module._parameters[name] = zeros[id(param)]
+    return model
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
+@contextmanager
+def time_limit(seconds: float | None):
+    """Raise PointTimeout in the main thread after `seconds` (no limit elsewhere or when None)."""
+    import threading
+
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise PointTimeout(f"time limit of {seconds:.0f} s reached")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class TimeEstimate:
+    """Seconds of a forward at T tokens: constant, unless the forward visibly grows with T."""
+
+    def __init__(self):
+        self.first = None  # (tokens, seconds) of the first forward
+        self.seconds_per_token = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if self.first is None:
+            self.first = (tokens, seconds)
+        elif self.seconds_per_token is None and tokens >= 64 * self.first[0] and seconds > 8 * self.first[1]:
+            self.seconds_per_token = seconds / tokens
+
+    def seconds(self, tokens: int, method: str) -> float:
+        if self.seconds_per_token is None:
+            return 0.0
+        return self.seconds_per_token * tokens * (2 if method == "saved" else 1)  # a training forward costs ~2x
+
+
+# --------------------------------------------------------------------------------------------
+# Rows of models.parquet and activations.parquet for one model
+
+
+MODEL_COLUMNS = (
+    "model_id", "family", "model_type", "status", "reason", "config_source", "config_revision", "parameters",
+    "embedding_parameters", "non_embedding_parameters", "active_parameters", "is_moe", "num_experts",
+    "num_experts_per_tok", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "context_length", "tie_word_embeddings", "attention_kind",
+)
+ACTIVATION_COLUMNS = (
+    "model_id", "family", "model_type", "parameters", "method", "dtype", "batch_size", "seq_len", "tokens",
+    "elements", "elements_per_token", "bytes", "bytes_per_token", "forward", "status", "reason", "seconds",
+    "config_source", "config_revision",
+)
+
+
+@dataclass
+class ModelJob:
+    model_id: str
+    family: str | None
+    model_type: str | None
+    config: object | None  # transformers config; None when the configs stage skipped the model
+    config_source: str | None = None
+    config_revision: str | None = None
+    skip_reason: str | None = None
+
+
+def count_model(job: ModelJob, points: PointSet = POINT_SETS[DEFAULT_POINTS]):
+    """(models row, activation rows) of one model; a failure becomes rows with status and reason."""
+    base = {"model_id": job.model_id, "family": job.family, "model_type": job.model_type,
+            "config_source": job.config_source, "config_revision": job.config_revision}
+    model_row = {**base, "status": "ok", "reason": None}
+    if job.config is None:
+        model_row.update(status="skipped", reason=job.skip_reason)
+        return model_row, []
+    try:
+        counter = ModelCounter(job.config)
+        model_row.update(architecture_facts(job.config))
+        counts = parameter_counts(counter.model("float32"), job.config)
+    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build: the model is an error row
+        model_row.update(status="error", reason=_one_line(exc))
+        return model_row, []
+    model_row.update({k: counts[k] for k in MODEL_COLUMNS if k in counts},
+                     is_moe=bool(counts["routed_expert_parameters"]))
+    base["parameters"] = counts["parameters"]
+    wanted = [("hook", "float32", b, s) for b, s in points.hook]
+    wanted += [("saved", p, b, s) for p in points.precisions for b, s in points.saved]
+    return model_row, measure_points(counter, base, wanted, model_row["context_length"])
+
+
+def measure_points(counter: ModelCounter, base: dict, wanted: list, context: int | None) -> list[dict]:
+    """One row per point (two per hook point: float32 and bfloat16 bytes), within the time limits."""
+    estimate = TimeEstimate()
+    deadline = time.perf_counter() + MODEL_TIME_LIMIT_S
+    rows = []
+    for method, dtype, batch, seq in wanted:
+        tokens = batch * seq
+        left = deadline - time.perf_counter()
+        if context and seq > context:
+            measurement = Measurement(status="skipped", reason=f"seq_len {seq} beyond the context length {context}")
+        elif estimate.seconds(tokens, method) > POINT_ESTIMATE_LIMIT_S:
+            measurement = Measurement(status="skipped", reason=(
+                f"estimated {estimate.seconds(tokens, method):.0f} s: the forward loops over the sequence"))
+        elif left <= 0:
+            measurement = Measurement(status="error", reason=f"model time limit of {MODEL_TIME_LIMIT_S:.0f} s reached")
+        else:
+            try:
+                with time_limit(min(POINT_TIME_LIMIT_S, left)):
+                    measurement = counter.hook(batch, seq) if method == "hook" else counter.saved(batch, seq, dtype)
+                estimate.observe(tokens, measurement.seconds)
+            except PointTimeout as exc:
+                measurement = Measurement(status="error", reason=str(exc))
+        rows.extend(_rows(base, method, dtype, batch, seq, measurement))
+    return rows
+
+
+def _rows(base, method, dtype, batch, seq, measurement: Measurement) -> list[dict]:
+    tokens = batch * seq
+    ok = measurement.status == "ok"
+    row = {
+        **base, "method": method, "dtype": dtype, "batch_size": batch, "seq_len": seq, "tokens": tokens,
+        "elements": measurement.elements if ok else None,
+        "elements_per_token": measurement.elements / tokens if ok else None,
+        "bytes": measurement.bytes if ok else None,
+        "bytes_per_token": measurement.bytes / tokens if ok and measurement.bytes is not None else None,
+        "forward": measurement.forward, "status": measurement.status, "reason": measurement.reason,
+        "seconds": round(measurement.seconds, 4),
+    }
+    if method == "saved":
+        return [row]
+    rows = []
+    for hook_dtype in HOOK_DTYPES:  # bytes = elements x element size of the dtype (DESIGN.md)
+        nbytes = measurement.elements * ELEMENT_BYTES[hook_dtype] if ok else None
+        rows.append({**row, "dtype": hook_dtype, "bytes": nbytes,
+                     "bytes_per_token": nbytes / tokens if ok else None})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# The stage: every registry model, in one process or a small pool forked after the imports
+
+
+_WORK: dict = {"jobs": [], "points": None}  # read by forked workers
+
+
+def read_jobs(registry_path, configs_path) -> list[ModelJob]:
+    """One job per registry model, with the config the configs stage resolved (or why it has none)."""
+    import json
+    from pathlib import Path
+
+    from pipeline.configs import config_from_dict
+    from pipeline.registry import load_registry
+
+    entries = load_registry(registry_path, check_model_types=False)
+    try:
+        records = json.loads(Path(configs_path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{configs_path}: configs file not found (run `python -m pipeline configs` first)") from None
+    except json.JSONDecodeError:
+        raise UserError(f"{configs_path}: not a JSON configs file") from None
+    jobs = []
+    for entry in entries:
+        record = records.get(entry.id)
+        job = ModelJob(entry.id, entry.family, entry.model_type, None)
+        if record is None:
+            job.skip_reason = f"not in {configs_path}"
+        elif record.get("status") != "ok":
+            job.skip_reason = record.get("reason") or "config skipped by the configs stage"
+        else:
+            job.config_source, job.config_revision = record["config_source"], record["config_revision"]
+            try:
+                job.config = config_from_dict(record["config"], entry.id)
+            except UserError as exc:
+                job.skip_reason = str(exc)
+        jobs.append(job)
+    return jobs
+
+
+def _count_job(index: int):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    job = _WORK["jobs"][index]
+    try:
+        return index, count_model(job, _WORK["points"])
+    except Exception as exc:  # noqa: BLE001 - whatever happens to one model, the stage goes on
+        return index, ({"model_id": job.model_id, "family": job.family, "model_type": job.model_type,
+                        "config_source": job.config_source, "config_revision": job.config_revision,
+                        "status": "error", "reason": _one_line(exc)}, [])
+
+
+def _init_worker():
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def count_all(jobs: list[ModelJob], workers: int = 2, points: PointSet = POINT_SETS[DEFAULT_POINTS],
+              progress=sys.stderr):
+    """models and activations DataFrames for `jobs`; progress (done / total, elapsed) on `progress`."""
+    import multiprocessing
+
+    import pandas as pd
+
+    from pipeline.provenance import provenance
+
+    _quiet_transformers()
+    _WORK.update(jobs=jobs, points=points)
+    start = time.perf_counter()
+    results = [None] * len(jobs)
+
+    def report(done, index):
+        job = jobs[index]
+        status = results[index][0]["status"]
+        print(f"activations: {done}/{len(jobs)} {job.model_id} {status} ({time.perf_counter() - start:.1f} s)",
+              file=progress, flush=True)
+
+    if workers > 1 and len(jobs) > 1:
+        with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker) as pool:
+            for done, (index, result) in enumerate(pool.imap_unordered(_count_job, range(len(jobs))), 1):
+                results[index] = result
+                report(done, index)
+    else:
+        for index in range(len(jobs)):
+            results[index] = _count_job(index)[1]
+            report(index + 1, index)
+    common = provenance()
+    models = pd.DataFrame([{**row, **common} for row, _ in results], columns=[*MODEL_COLUMNS, *common])
+    activations = pd.DataFrame([{**row, **common} for _, rows in results for row in rows],
+                               columns=[*ACTIVATION_COLUMNS, *common])
+    return _integer_columns(models), _integer_columns(activations)
+
+
+def _integer_columns(frame):
+    for column in frame.columns:
+        if column in ("parameters", "embedding_parameters", "non_embedding_parameters", "active_parameters",
+                      "num_experts", "num_experts_per_tok", "num_hidden_layers", "hidden_size",
+                      "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                      "context_length", "batch_size", "seq_len", "tokens", "elements", "bytes"):
+            frame[column] = frame[column].astype("Int64")
+    return frame
+
+
+def _quiet_transformers():
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+
+
+def write_activations(registry_path, configs_path, models_out, activations_out, workers: int = 2,
+                      model_ids: list[str] | None = None, points: str = DEFAULT_POINTS):
+    """The stage: count every registry model and write both tables (each whole or not at all)."""
+    from pipeline.io import write_parquet
+
+    jobs = read_jobs(registry_path, configs_path)
+    if model_ids:
+        unknown = sorted(set(model_ids) - {job.model_id for job in jobs})
+        if unknown:
+            raise UserError(f"model {unknown[0]!r} is not in the registry")
+        jobs = [job for job in jobs if job.model_id in model_ids]
+    if points not in POINT_SETS:
+        raise UserError(f"points {points!r} is not one of {', '.join(POINT_SETS)}")
+    models, activations = count_all(jobs, workers, POINT_SETS[points])
+    write_parquet(models, models_out)
+    write_parquet(activations, activations_out)
+    return models, activations
+
+
+# --------------------------------------------------------------------------------------------
+# count(): one model, for the command line and for Python users
+
+
+def count(model: str | None = None, config: str | None = None, dtype: str = "float32", batch: int | None = None,
+          seq: int | None = None, config_source: str = "auto", registry=None) -> dict:
+    """Parameters and activations per token of one model (registry id, Hub id or config.json path).
+
+    `elements_per_token` / `bytes_per_token` are the blog's hook method at (1, 1); with `batch` and
+    `seq`, also the bytes saved for backward per token in the standard step at (batch, seq).
+    """
+    from pipeline.configs import resolve_model
+
+    if dtype not in PRECISION_BYTES:
+        raise UserError(f"dtype {dtype!r} is not one of {', '.join(PRECISION_BYTES)}")
+    if (batch is None) != (seq is None):
+        raise UserError("give both --batch and --seq, or neither")
+    for name, value in (("batch", batch), ("seq", seq)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise UserError(f"{name} must be a positive integer, not {value!r}")
+    _quiet_transformers()
+    resolved = resolve_model(model, config, config_source, registry)
+    counter = ModelCounter(resolved.config)
+    try:
+        counts = parameter_counts(counter.model("float32"), resolved.config)
+    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is bad input here
+        raise UserError(f"{resolved.model_id}: the model cannot be built ({_one_line(exc)})") from None
+    hook = counter.hook(1, 1)
+    if hook.status != "ok":
+        raise UserError(f"{resolved.model_id}: the forward failed ({hook.reason})")
+    result = {
+        "model_id": resolved.model_id,
+        "parameters": counts["parameters"],
+        "embedding_parameters": counts["embedding_parameters"],
+        "non_embedding_parameters": counts["non_embedding_parameters"],
+        "active_parameters": counts["active_parameters"],
+        "elements_per_token": hook.elements,
+        "bytes_per_token": hook.elements * PRECISION_BYTES[dtype],
+        "dtype": dtype,
+        "method": "hook",
+        "forward": hook.forward,
+        "config_source": resolved.source,
+        "config_revision": resolved.revision,
+    }
+    if batch is not None:
+        saved = counter.saved(batch, seq, dtype if dtype in PRECISIONS else "float32")
+        result.update(batch_size=batch, seq_len=seq, saved_forward=saved.forward,
+                      saved_bytes=saved.bytes, saved_bytes_per_token=saved.bytes / (batch * seq) if saved.bytes else None)
+        if saved.status != "ok":
+            result["saved_reason"] = saved.reason
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_cli(subparsers) -> None:
+    from pipeline.cli import positive_int
+    from pipeline.configs import CONFIG_SOURCES
+
+    stage = subparsers.add_parser("activations", help="count parameters and activations of every registry model")
+    stage.add_argument("--registry", default="models.yaml")
+    stage.add_argument("--configs", default="results/configs.json", help="the configs stage's output")
+    stage.add_argument("--models-out", default="results/models.parquet")
+    stage.add_argument("--activations-out", default="results/activations.parquet")
+    stage.add_argument("--workers", type=positive_int, default=min(2, os.cpu_count() or 1),
+                       help="processes forked after the imports (default: 2)")
+    stage.add_argument("--model", action="append", dest="models", metavar="ID", help="only these models (repeat)")
+    stage.add_argument("--points", default=DEFAULT_POINTS, choices=list(POINT_SETS),
+                       help="blog: the hook method at (1, 1) only; standard: hook at 4 points and saved-for-backward "
+                            "at L=128..8192 in 3 precisions; full: saved at every power of 2 from 128 to 8192")
+    stage.set_defaults(handler=_stage_command)
+
+    one = subparsers.add_parser("count", help="parameters and activations per token of one model")
+    source = one.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="registry or Hub model id")
+    source.add_argument("--config", help="path of a Hugging Face config.json")
+    one.add_argument("--dtype", default="float32", choices=list(PRECISION_BYTES))
+    one.add_argument("--batch", type=positive_int)
+    one.add_argument("--seq", type=positive_int)
+    one.add_argument("--config-source", default="auto", choices=CONFIG_SOURCES)
+    one.add_argument("--registry", default=None, help="registry file (default: models.yaml of the project)")
+    one.add_argument("--json", action="store_true", help="print JSON")
+    one.set_defaults(handler=_count_command)
+
+
+def _stage_command(args) -> int:
+    start = time.perf_counter()
+    models, activations = write_activations(args.registry, args.configs, args.models_out, args.activations_out,
+                                            args.workers, args.models, args.points)
+    status = models["status"].value_counts().to_dict()
+    print(f"activations: {len(models)} models ({', '.join(f'{k}: {v}' for k, v in sorted(status.items()))}), "
+          f"{len(activations)} rows -> {args.models_out}, {args.activations_out} "
+          f"in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _count_command(args) -> int:
+    import json
+
+    result = count(args.model, args.config, args.dtype, args.batch, args.seq, args.config_source, args.registry)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        width = max(map(len, result))
+        for key, value in result.items():
+            print(f"{key:<{width}}  {value:,}" if isinstance(value, int) and not isinstance(value, bool)
+                  else f"{key:<{width}}  {value}")
+    return 0

@@ -1,0 +1,349 @@
+"""Stage: the figures (PNG, matplotlib Agg) under `results/figures/`.
+
+Each figure needs some tables; a figure whose table is absent is skipped with a note, one whose
+table has no usable rows is drawn with a note in place of the data (so the set of files depends
+only on which tables exist: see `expected_figures`, which the Snakefile uses too).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+GIB = 2**30
+# figure -> the tables (files under results/) it needs
+FIGURES = {
+    "activations_vs_parameters": ("models.parquet", "activations.parquet", "coefficients.json"),
+    "residuals_by_family": ("models.parquet", "activations.parquet", "coefficients.json"),
+    "predicted_vs_measured": ("validation.parquet",),
+    "peak_vs_tokens": ("peak_memory.parquet",),
+    "saved_bytes_vs_seq_len": ("activations.parquet",),
+}
+BAND_RESAMPLES = 1000
+
+
+def expected_figures(available) -> list[str]:
+    """The figures that can be drawn when the files in `available` (names under results/) exist."""
+    available = set(available)
+    return [name for name, needs in FIGURES.items() if set(needs) <= available]
+
+
+def draw_figures(results_dir="results", out_dir="results/figures", only=None) -> dict[str, str]:
+    """Draw every figure whose tables exist; returns {figure: path or the reason it was skipped}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    results_dir, out_dir = Path(results_dir), Path(out_dir)
+    unknown = sorted(set(only or ()) - set(FIGURES))
+    if unknown:
+        raise UserError(f"unknown figure {unknown[0]!r} (one of {', '.join(FIGURES)})")
+    present = {name for needs in FIGURES.values() for name in needs if (results_dir / name).exists()}
+    drawn = {}
+    for name, needs in FIGURES.items():
+        if only and name not in only:
+            continue
+        missing = [n for n in needs if n not in present]
+        if missing:
+            drawn[name] = f"skipped: {results_dir / missing[0]} absent"
+            continue
+        figure = DRAWERS[name](results_dir)
+        path = out_dir / f"{name}.png"
+        save(figure, path)
+        drawn[name] = str(path)
+    return drawn
+
+
+def save(figure, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    from pipeline.io import atomic_path
+
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+
+def read(results_dir: Path, name: str):
+    import pandas as pd
+
+    if name.endswith(".json"):
+        return json.loads((results_dir / name).read_text())
+    return pd.read_parquet(results_dir / name)
+
+
+def no_data(ax, note: str) -> None:
+    ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def family_colours(families) -> dict:
+    import matplotlib.pyplot as plt
+
+    names = sorted(set(families))
+    cmap = plt.get_cmap("tab20")
+    return {name: cmap(i % 20) for i, name in enumerate(names)}
+
+
+def marker(i: int) -> str:
+    return "osD^v<>ph*"[(i // 20) % 10]
+
+
+# ----------------------------------------------------------------------------- activations vs N
+
+
+def hook_points(results_dir: Path, coefficients: dict):
+    """Hook counts at B=1, L=1 of the ok models, with `x`: the heuristic fit's x column."""
+    from pipeline.fit import hook_rows
+
+    points = hook_rows(read(results_dir, "models.parquet"), read(results_dir, "activations.parquet"))
+    x_column = coefficients.get("x", "parameters")
+    x = points[x_column] if x_column in points.columns else points["parameters"]
+    return points.assign(x=x.fillna(points["parameters"]).astype(float))  # unknown active count: dense
+
+
+def x_label(coefficients: dict) -> str:
+    if coefficients.get("x") == "active_parameters":
+        return "parameters N active per token (all of them for dense models)"
+    return f"{coefficients.get('x', 'parameters')} N"
+
+
+def bootstrap_band(x, y, grid, weighting: str = "none", resamples: int = BAND_RESAMPLES, seed: int = 0):
+    """Pointwise 95% percentile band of the fitted line over `grid`, resampling models (the fit's
+    own least squares: weighted 1/y^2 when `weighting` is relative)."""
+    import numpy as np
+
+    from pipeline.fit import sample_weights
+
+    weights = sample_weights(y, weighting)
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(resamples):
+        pick = rng.integers(0, len(x), len(x))
+        if np.unique(x[pick]).size < 2:
+            continue
+        w = None if weights is None else np.sqrt(weights[pick])
+        slope, intercept = np.polyfit(x[pick], y[pick], 1, w=w)
+        lines.append(slope * grid + intercept)
+    return np.percentile(lines, 2.5, axis=0), np.percentile(lines, 97.5, axis=0)
+
+
+def draw_activations_vs_parameters(results_dir: Path):
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from pipeline.fit import BLOG_A_BYTES_PER_ELEMENT, BLOG_INTERCEPT, BLOG_SLOPE
+
+    coefficients = read(results_dir, "coefficients.json")
+    points = hook_points(results_dir, coefficients)
+    figure, ax = plt.subplots(figsize=(10, 6.5))
+    if points.empty:
+        no_data(ax, "no ok hook counts at B=1, L=1")
+        return figure
+    colours = family_colours(points["family"])
+    for family, group in points.groupby("family"):
+        ax.scatter(group["x"], group["elements_per_token"], s=22, color=colours[family],
+                   marker=marker(sorted(colours).index(family)), label=family, zorder=3)
+    x = points["x"].to_numpy(float)
+    grid = np.logspace(np.log10(x.min() / 1.5), np.log10(x.max() * 1.5), 200)
+    a, b, weighting = coefficients["a"], coefficients["b"], coefficients.get("weighting", "none")
+    if len(points) >= 3:
+        low, high = bootstrap_band(x, points["elements_per_token"].to_numpy(float), grid, weighting)
+        ax.fill_between(grid, low, high, color="black", alpha=0.12, label="refit, 95% bootstrap band")
+    fitted = "relative-error least squares" if weighting == "relative" else "least squares"
+    ax.plot(grid, a * grid + b, color="black", lw=1.6, label=f"refit ({fitted}): A = {a:.3e}·N + {b:.3e} elements")
+    blog = (BLOG_SLOPE * grid + BLOG_INTERCEPT) / BLOG_A_BYTES_PER_ELEMENT
+    ax.plot(grid, blog, color="crimson", lw=1.4, ls="--",
+            label=f"blog: ({BLOG_SLOPE:.4e}·N + {BLOG_INTERCEPT:.4e}) fp32 bytes ÷ 4 = elements")
+    ax.set(xscale="log", yscale="log", xlabel=x_label(coefficients),
+           ylabel="activation elements per token (hook method, B=1, L=1)",
+           title=f"Activations vs parameters: {len(points)} models, {points['family'].nunique()} families")
+    ax.grid(True, which="both", alpha=0.25)
+    handles, labels = ax.get_legend_handles_labels()
+    families = len(colours)
+    lines = ax.legend(handles[families:], labels[families:], fontsize=7, loc="upper left")
+    ax.add_artist(lines)
+    ax.legend(handles[:families], labels[:families], fontsize=6, ncol=1 + families // 30, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), frameon=False, title="family", title_fontsize=7)
+    return figure
+
+
+def draw_residuals_by_family(results_dir: Path):
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    coefficients = read(results_dir, "coefficients.json")
+    points = hook_points(results_dir, coefficients)
+    figure, ax = plt.subplots(figsize=(max(6.0, 0.28 * points["family"].nunique() + 2), 5))
+    if points.empty:
+        no_data(ax, "no ok hook counts at B=1, L=1")
+        return figure
+    fitted = coefficients["a"] * points["x"] + coefficients["b"]
+    points = points.assign(residual=(points["elements_per_token"] - fitted) / fitted)
+    order = points.groupby("family")["residual"].median().sort_values().index.tolist()
+    colours = family_colours(points["family"])
+    rng = np.random.default_rng(0)
+    for i, family in enumerate(order):
+        values = points.loc[points["family"] == family, "residual"]
+        ax.scatter(i + rng.uniform(-0.18, 0.18, len(values)), values, s=16, color=colours[family], zorder=3)
+    ax.axhline(0, color="black", lw=1)
+    ax.set_xticks(range(len(order)), order, rotation=90, fontsize=7)
+    ax.yaxis.set_major_formatter(plt.matplotlib.ticker.PercentFormatter(1.0))
+    ax.set(ylabel="(hook elements per token − refit) / refit",
+           title=f"Residuals of the refit line ({coefficients.get('fit', 'refit')}), by family")
+    ax.grid(True, axis="y", alpha=0.25)
+    return figure
+
+
+# ----------------------------------------------------------------------------- peaks
+
+
+def draw_predicted_vs_measured(results_dir: Path):
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = read(results_dir, "validation.parquet")
+    rows = rows.dropna(subset=["predicted_peak_bytes", "measured_peak_bytes"])
+    estimators = sorted(rows["estimator"].unique()) or ["(none)"]
+    figure, axes = plt.subplots(1, len(estimators), figsize=(4.8 * len(estimators), 4.6), squeeze=False,
+                             layout="constrained")
+    if rows.empty:
+        no_data(axes[0, 0], "no validated points")
+        return figure
+    precisions = sorted(rows["precision"].unique(), key=precision_order) if "precision" in rows.columns else [None]
+    colours = dict(zip(precisions, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
+    low = min(rows["predicted_peak_bytes"].min(), rows["measured_peak_bytes"].min()) / GIB / 1.3
+    high = max(rows["predicted_peak_bytes"].max(), rows["measured_peak_bytes"].max()) / GIB * 1.3
+    for ax, estimator in zip(axes[0], estimators):
+        group = rows[rows["estimator"] == estimator]
+        for precision in precisions:
+            part = group if precision is None else group[group["precision"] == precision]
+            oom = part["status"] == "oom" if "status" in part.columns else np.zeros(len(part), bool)
+            ax.scatter(part.loc[~oom, "measured_peak_bytes"] / GIB, part.loc[~oom, "predicted_peak_bytes"] / GIB,
+                       s=14, alpha=0.7, color=colours[precision], label=precision or "points")
+            if oom.any():
+                ax.scatter(part.loc[oom, "measured_peak_bytes"] / GIB, part.loc[oom, "predicted_peak_bytes"] / GIB,
+                           s=22, marker="x", color=colours[precision], label=f"{precision} (oom: GPU size)")
+        ax.plot([low, high], [low, high], color="black", lw=1)
+        ax.fill_between([low, high], [low * 0.75, high * 0.75], [low * 1.25, high * 1.25], color="grey", alpha=0.15,
+                        label="±25%")
+        error = group["relative_error"].abs() if "relative_error" in group.columns else None
+        median = f", median |error| {error.median():.0%}" if error is not None and len(error) else ""
+        ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="measured peak (GiB)",
+               ylabel="predicted peak (GiB)", title=f"{estimator}{median}")
+        ax.grid(True, which="both", alpha=0.25)
+    axes[0, -1].legend(fontsize=7, loc="lower right")
+    figure.suptitle("Predicted vs measured peak of the standard training step")
+    return figure
+
+
+def precision_order(name: str):
+    order = ("fp32", "float32", "bf16", "bfloat16", "amp-bf16")
+    return (order.index(name) if name in order else len(order), name)
+
+
+def standard_peaks(rows):
+    keep = rows["status"] == "ok"
+    if "variant" in rows.columns:
+        keep &= rows["variant"].fillna("standard") == "standard"
+    if "gradient_checkpointing" in rows.columns:
+        keep &= ~rows["gradient_checkpointing"].fillna(False).astype(bool)
+    if "optimizer" in rows.columns:
+        keep &= rows["optimizer"].fillna("adamw") == "adamw"
+    return rows[keep]
+
+
+def spread_models(rows, count: int = 4) -> list[str]:
+    """Up to `count` models spread over the parameter range, preferring ones with many points."""
+    import numpy as np
+
+    per_model = rows.groupby("model_id").agg(parameters=("parameters", "first"), points=("parameters", "size"))
+    per_model = per_model.sort_values("parameters")
+    if len(per_model) <= count:
+        return per_model.index.tolist()
+    many = per_model[per_model["points"] >= per_model["points"].median()]
+    per_model = many if len(many) >= count else per_model
+    picks = np.unique(np.linspace(0, len(per_model) - 1, count).round().astype(int))
+    return per_model.index[picks].tolist()
+
+
+def draw_peak_vs_tokens(results_dir: Path):
+    import matplotlib.pyplot as plt
+
+    rows = standard_peaks(read(results_dir, "peak_memory.parquet"))
+    precisions = sorted(rows["precision"].unique(), key=precision_order) or ["(none)"]
+    chosen = spread_models(rows)  # the same models in every panel
+    figure, axes = plt.subplots(1, len(precisions), figsize=(4.8 * len(precisions), 4.4), squeeze=False,
+                             layout="constrained")
+    if rows.empty:
+        no_data(axes[0, 0], "no ok peak measurements")
+        return figure
+    for ax, precision in zip(axes[0], precisions):
+        part = rows[rows["precision"] == precision].assign(tokens=lambda f: f["batch_size"] * f["seq_len"])
+        for model_id in chosen:
+            model = part[part["model_id"] == model_id].sort_values(["tokens", "batch_size"])
+            if model.empty:
+                continue
+            ax.plot(model["tokens"], model["peak_allocated_bytes"] / GIB, marker="o", ms=3, lw=1,
+                    label=f"{model_id} ({model['parameters'].iloc[0] / 1e9:.2g}B)")
+        ax.set(xscale="log", yscale="log", xlabel="tokens per step B×L", ylabel="peak allocated (GiB)",
+               title=precision)
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(fontsize=6)
+    figure.suptitle("Measured peak vs tokens per step (AdamW, no checkpointing)")
+    return figure
+
+
+def draw_saved_bytes_vs_seq_len(results_dir: Path):
+    import matplotlib.pyplot as plt
+
+    rows = read(results_dir, "activations.parquet")
+    rows = rows[(rows["method"] == "saved") & (rows["status"] == "ok")]
+    dtypes = sorted(rows["dtype"].unique(), key=precision_order) or ["(none)"]
+    figure, axes = plt.subplots(1, len(dtypes), figsize=(4.8 * len(dtypes), 4.4), squeeze=False,
+                             layout="constrained")
+    if rows.empty:
+        no_data(axes[0, 0], "no ok saved-for-backward counts")
+        return figure
+    for ax, dtype in zip(axes[0], dtypes):
+        part = rows[rows["dtype"] == dtype]
+        part = part[part["batch_size"] == part["batch_size"].min()]
+        for model_id in spread_models(part, count=6):
+            model = part[part["model_id"] == model_id].sort_values("seq_len")
+            ax.plot(model["seq_len"], model["bytes_per_token"] / 2**20, marker="o", ms=3, lw=1,
+                    label=f"{model_id} ({model['parameters'].iloc[0] / 1e9:.2g}B)")
+        lengths = sorted(part["seq_len"].unique())
+        ax.set_xscale("log", base=2)
+        ax.set(yscale="log", xlabel="sequence length L (tokens)", ylabel="saved for backward (MiB per token)",
+               title=f"{dtype}, B={int(part['batch_size'].min())}")
+        ax.set_xticks(lengths, [str(length) for length in lengths], fontsize=7)
+        ax.xaxis.set_minor_locator(plt.matplotlib.ticker.NullLocator())
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(fontsize=6)
+    figure.suptitle("Saved-for-backward bytes per token vs L (flat = linear in L)")
+    return figure
+
+
+DRAWERS = {
+    "activations_vs_parameters": draw_activations_vs_parameters,
+    "residuals_by_family": draw_residuals_by_family,
+    "predicted_vs_measured": draw_predicted_vs_measured,
+    "peak_vs_tokens": draw_peak_vs_tokens,
+    "saved_bytes_vs_seq_len": draw_saved_bytes_vs_seq_len,
+}
+
+
+def add_cli(subparsers) -> None:
+    parser = subparsers.add_parser("figures", help="draw the figures (PNG) from the result tables")
+    parser.add_argument("--results", default="results", help="folder with the stage outputs")
+    parser.add_argument("--out", default="results/figures")
+    parser.add_argument("--only", nargs="+", default=None, metavar="FIGURE", help=f"some of: {', '.join(FIGURES)}")
+    parser.set_defaults(handler=_figures_command)
+
+
+def _figures_command(args) -> int:
+    for name, where in draw_figures(args.results, args.out, args.only).items():
+        print(f"figures: {name}: {where}")
+    return 0

@@ -1,0 +1,498 @@
+"""Stage: real peak memory of the standard training step (CUDA), one point at a time.
+
+`measure_point` runs DESIGN.md's standard training step (or the blog's loop, `variant="blog"`) on an
+already built model: a fresh optimizer, three steps, peaks per phase. `pipeline.sweep` runs it over
+a grid, one process per (model, precision, attention); `python -m pipeline measure` runs one point.
+
+Reusing one built model across points is allowed because every point starts from the same state:
+fresh optimizer, grads set to None, `torch.cuda.empty_cache()`, peak counter reset. Only the weight
+values drift (the optimizer updates them), and values do not change memory, except through MoE
+routing, which is random for random weights anyway. `allocated_before_bytes` shows any leak.
+
+On `device="cpu"` (a debug mode for tests) the step is real but no allocator peaks exist: the peak
+columns are None and only weights, optimizer state and times are recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from pipeline.errors import UserError
+
+PRECISIONS = ("fp32", "bf16", "amp-bf16")
+OPTIMIZERS = ("adamw", "sgd")
+VARIANTS = ("standard", "blog")
+ATTENTIONS = ("default", "eager")
+STEPS = 3
+BLOG_ID_RANGE = 100  # the blog's ids: torch.randint(0, 100, (B, L))
+
+KEY_COLUMNS = ("model_id", "precision", "variant", "optimizer", "gradient_checkpointing",
+               "attn_implementation", "batch_size", "seq_len")
+
+# Column -> pandas dtype of results/peak_memory.parquet (DESIGN.md columns first).
+COLUMN_DTYPES = {
+    "model_id": "string", "model_type": "string", "family": "string", "parameters": "Int64",
+    "precision": "string", "optimizer": "string", "gradient_checkpointing": "boolean",
+    "attn_implementation": "string", "variant": "string", "batch_size": "Int64", "seq_len": "Int64",
+    "status": "string", "reason": "string",
+    "peak_allocated_bytes": "Int64", "peak_reserved_bytes": "Int64", "weights_bytes": "Int64",
+    "optimizer_state_bytes": "Int64", "forward_peak_bytes": "Int64", "backward_peak_bytes": "Int64",
+    "optimizer_peak_bytes": "Int64", "nvml_used_bytes": "Int64", "nvml_device_used_bytes": "Int64",
+    "step_seconds": "float64", "tokens_per_second": "float64", "gpu_total_bytes": "Int64",
+    "device": "string", "driver_version": "string",
+    "tokens": "Int64", "step_flops": "float64", "steps": "Int64", "steps_seconds_total": "float64",
+    "allocated_before_bytes": "Int64", "measure_device": "string", "attn_implementation_used": "string",
+    "train_mode": "boolean", "use_cache": "boolean", "allow_tf32": "boolean",
+    "build_seconds": "float64", "started_at": "float64", "finished_at": "float64", "child_pid": "Int64",
+    "torch_version": "string", "transformers_version": "string", "cuda_version": "string",
+    "python_version": "string", "git_commit": "string", "config_source": "string",
+    "config_revision": "string",
+}
+COLUMNS = tuple(COLUMN_DTYPES)
+STATUSES = ("ok", "oom", "skipped", "error")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What varies within one process: the loop, the optimizer and checkpointing."""
+
+    variant: str = "standard"
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False
+
+    def check(self) -> None:
+        if self.variant not in VARIANTS:
+            raise UserError(f"variant {self.variant!r} is not one of {', '.join(VARIANTS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if not isinstance(self.gradient_checkpointing, bool):
+            raise UserError(f"gradient_checkpointing must be true or false, not {self.gradient_checkpointing!r}")
+        if self.variant == "blog" and self.gradient_checkpointing:
+            raise UserError("the blog variant runs in eval mode, where gradient checkpointing does nothing")
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise UserError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+
+
+def check_attention(attn: str) -> None:
+    if attn not in ATTENTIONS:
+        raise UserError(f"attn_implementation {attn!r} is not one of {', '.join(ATTENTIONS)}")
+
+
+def model_dtype(precision: str):
+    import torch
+
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def training_config(config):
+    """A copy of the config for training: use_cache off (also in a nested text config)."""
+    import copy
+
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    text = getattr(config, "get_text_config", lambda: config)()
+    text.use_cache = False
+    return config
+
+
+def build(config, precision: str, attn: str = "default", device: str = "cuda"):
+    """The model with random weights directly on `device`, in the precision's dtype."""
+    from pipeline.configs import build_model
+
+    attn_implementation = None if attn == "default" else attn
+    return build_model(training_config(config), device=device, dtype=model_dtype(precision),
+                       attn_implementation=attn_implementation)
+
+
+def attn_used(model) -> str | None:
+    return getattr(model.config, "_attn_implementation", None)
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def weights_bytes(model, device: str) -> int:
+    """Allocated bytes right after the build (CUDA), or the bytes of parameters and buffers (CPU)."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.memory_allocated()
+    return storage_bytes(list(model.parameters()) + list(model.buffers()))
+
+
+def optimizer_state_bytes(optimizer, device: str) -> int:
+    """Bytes of optimizer state tensors on the measured device (AdamW's `step` counters stay on the CPU)."""
+    import torch
+
+    tensors = [value for state in optimizer.state.values() for value in state.values()
+               if torch.is_tensor(value) and value.device.type == device]
+    return storage_bytes(tensors)
+
+
+def vocabulary_size(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return min(config.vocab_size, model.get_input_embeddings().num_embeddings)
+
+
+class PhaseTracker:
+    """Peak allocated bytes per phase (forward, backward, optimizer), maximised over the steps.
+
+    The CUDA peak counter is reset when a phase starts, so the max over phases is the peak over
+    the steps. On other devices nothing is tracked and all peaks are None.
+    """
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        self.peaks: dict[str, int] = {}
+        self.reserved = None
+        self.phase = None
+
+    def enter(self, phase: str | None) -> None:
+        import torch
+
+        if self.phase and self.cuda:
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), torch.cuda.max_memory_allocated())
+            self.reserved = max(self.reserved or 0, torch.cuda.max_memory_reserved())
+        if phase and self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self.phase = phase
+
+    def columns(self) -> dict:
+        peak = max(self.peaks.values()) if self.peaks else None
+        return {"peak_allocated_bytes": peak, "peak_reserved_bytes": self.reserved,
+                "forward_peak_bytes": self.peaks.get("forward"),
+                "backward_peak_bytes": self.peaks.get("backward"),
+                "optimizer_peak_bytes": self.peaks.get("optimizer")}
+
+
+def make_optimizer(model, setting: Setting):
+    import torch
+
+    if setting.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    if setting.variant == "blog":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return torch.optim.AdamW(model.parameters())
+
+
+def apply_setting(model, setting: Setting, blog_use_cache: bool) -> dict:
+    """Checkpointing on or off and train/eval mode; returns the columns that describe it.
+
+    The blog built its model with from_pretrained, which leaves it in eval mode with the config's
+    use_cache; the standard step trains in train mode with use_cache=False.
+    """
+    if setting.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    elif getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_disable()
+    blog = setting.variant == "blog"
+    model.train(not blog)
+    return {"train_mode": not blog, "use_cache": blog_use_cache if blog else False}
+
+
+def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, device: str,
+              tracker: PhaseTracker, use_cache: bool, steps: int = STEPS):
+    """The training loop itself; returns (seconds per step, optimizer-state bytes)."""
+    import torch
+
+    optimizer = make_optimizer(model, setting)
+    vocab = BLOG_ID_RANGE if setting.variant == "blog" else vocabulary_size(model)
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        tracker.enter("forward")
+        ids = torch.randint(0, vocab, (batch, seq), device=device)
+        with autocast(precision, device):
+            if setting.variant == "blog":
+                loss = torch.mean(model(ids, use_cache=use_cache).logits)
+            else:
+                loss = model(input_ids=ids, labels=ids).loss
+        tracker.enter("backward")
+        loss.backward()
+        tracker.enter("optimizer")
+        optimizer.step()
+        if setting.variant == "blog":
+            optimizer.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        tracker.enter(None)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds, optimizer_state_bytes(optimizer, device)
+
+
+def autocast(precision: str, device: str):
+    """amp-bf16: the forward and the loss under bf16 autocast (backward and optimizer outside)."""
+    import torch
+
+    if precision == "amp-bf16":
+        return torch.autocast(device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text}"[:limit]
+
+
+def measure_point(model, setting: Setting, precision: str, batch: int, seq: int, device: str = "cuda",
+                  blog_use_cache: bool = True) -> dict:
+    """One grid point: the columns that the measurement fills (status ok, oom or error).
+
+    Never raises for a failing step: out of memory is a result, any other exception an error row.
+    """
+    import torch
+
+    tracker = PhaseTracker(device)
+    columns = {"status": "ok", "reason": None, "started_at": time.time(),
+               "allocated_before_bytes": torch.cuda.memory_allocated() if device == "cuda" else None}
+    try:
+        columns.update(apply_setting(model, setting, blog_use_cache))
+        seconds, state_bytes = run_steps(model, setting, precision, batch, seq, device, tracker,
+                                         columns["use_cache"])
+    except Exception as exc:  # noqa: BLE001 - a failing point is recorded, the sweep goes on
+        oom = is_out_of_memory(exc)
+        where = f" in {tracker.phase}" if tracker.phase else ""
+        columns.update(status="oom" if oom else "error", reason=f"{'out of memory' if oom else 'failed'}{where}: "
+                       f"{first_line(exc)}")
+        seconds, state_bytes = None, None
+    if columns["status"] == "ok":
+        median = sorted(seconds)[len(seconds) // 2]
+        columns.update(tracker.columns(), optimizer_state_bytes=state_bytes, step_seconds=median,
+                       steps=len(seconds), steps_seconds_total=sum(seconds),
+                       tokens_per_second=batch * seq / median if median > 0 else None)
+        columns.update(nvml_columns(device))
+    release(model, device, columns["status"] != "ok", columns["allocated_before_bytes"])
+    columns["finished_at"] = time.time()
+    return columns
+
+
+def release(model, device: str, failed: bool, allocated_before: int | None) -> None:
+    """Back to weights only: grads to None, cache emptied, and reference cycles collected where
+    memory is still held (after a failure, whose traceback held the step's tensors)."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    if failed or device != "cuda" or torch.cuda.memory_allocated() > allocated_before:
+        gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --- NVML: the process's memory as the driver sees it (context + allocator cache) -----------------
+
+_NVML = {"ready": None}
+
+
+def _nvml():
+    if _NVML["ready"] is None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            _NVML["ready"] = pynvml
+        except Exception:  # noqa: BLE001 - NVML is optional
+            _NVML["ready"] = False
+    return _NVML["ready"]
+
+
+def nvml_columns(device: str) -> dict:
+    """`nvml_used_bytes` (this process, None where NVML cannot see it, e.g. in a PID namespace)
+    and `nvml_device_used_bytes` (the whole GPU)."""
+    pynvml = _nvml() if device == "cuda" else None
+    if not pynvml:
+        return {"nvml_used_bytes": None, "nvml_device_used_bytes": None}
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        for handle in handles:
+            for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if process.pid == os.getpid():
+                    return {"nvml_used_bytes": process.usedGpuMemory,
+                            "nvml_device_used_bytes": pynvml.nvmlDeviceGetMemoryInfo(handle).used}
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        index = int(visible) if visible.isdigit() else (0 if len(handles) == 1 else None)
+        used = pynvml.nvmlDeviceGetMemoryInfo(handles[index]).used if index is not None else None
+        return {"nvml_used_bytes": None, "nvml_device_used_bytes": used}
+    except Exception:  # noqa: BLE001
+        return {"nvml_used_bytes": None, "nvml_device_used_bytes": None}
+
+
+# --- one process's setup --------------------------------------------------------------------------
+
+def setup_device(device: str, allow_tf32: bool) -> dict:
+    """Initialise the device once per process; the columns that describe it (with provenance)."""
+    import torch
+
+    from pipeline.provenance import provenance
+
+    torch.manual_seed(0)
+    if device == "cuda":
+        torch.cuda.init()
+        torch.set_float32_matmul_precision("high" if allow_tf32 else "highest")
+        total = torch.cuda.get_device_properties(0).total_memory
+    else:
+        total = None
+    row = provenance()
+    row.update(gpu_total_bytes=total, measure_device=device, allow_tf32=allow_tf32 if device == "cuda" else False)
+    return row
+
+
+def cuda_available() -> bool:
+    """Whether CUDA can be used, asked through NVML so that this process stays fork-safe."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_device(device: str) -> str | None:
+    """`auto` -> cuda when available, else None (the caller decides what no GPU means)."""
+    if device == "auto":
+        return "cuda" if cuda_available() else None
+    if device == "cuda" and not cuda_available():
+        raise UserError("--device cuda: no CUDA device is available here")
+    return device
+
+
+# --- `python -m pipeline measure` -----------------------------------------------------------------
+
+def measure(record: dict, batch: int, seq: int, precision: str = "fp32", setting: Setting = Setting(),
+            attn: str = "default", device: str = "cuda", allow_tf32: bool = True) -> dict:
+    """One point of one model, in this process: a full peak-memory row.
+
+    `record` is a configs.json record plus `model_id` (see `pipeline.sweep.model_record`).
+    """
+    from pipeline.configs import config_from_dict, context_length
+
+    check_precision(precision)
+    check_attention(attn)
+    setting.check()
+    if batch <= 0 or seq <= 0:
+        raise UserError("batch size and sequence length must be positive")
+    config = config_from_dict(record["config"], record["model_id"])
+    limit = context_length(config)
+    row = base_columns(record, precision, attn, setting, batch, seq)
+    row.update(setup_device(device, allow_tf32))
+    if limit is not None and seq > limit:
+        return finish_row(row, status="skipped", reason=f"seq_len {seq} beyond the context length {limit}")
+    start = time.perf_counter()
+    try:
+        model = build(config, precision, attn, device)
+    except Exception as exc:  # noqa: BLE001 - a model that cannot be built is an error row
+        return finish_row(row, status="error", reason=f"model build failed: {first_line(exc)}")
+    parameters = count_parameters(model)
+    row.update(build_seconds=time.perf_counter() - start, weights_bytes=weights_bytes(model, device),
+               parameters=parameters, attn_implementation_used=attn_used(model),
+               step_flops=6.0 * parameters * batch * seq)
+    row.update(measure_point(model, setting, precision, batch, seq, device, record.get("use_cache", True)))
+    return finish_row(row)
+
+
+def base_columns(record: dict, precision: str, attn: str, setting: Setting, batch: int, seq: int) -> dict:
+    row = dict.fromkeys(COLUMNS)
+    row.update(model_id=record["model_id"], model_type=record.get("model_type"), family=record.get("family"),
+               parameters=record.get("parameters"), precision=precision, attn_implementation=attn,
+               batch_size=batch, seq_len=seq, tokens=batch * seq, config_source=record.get("config_source"),
+               config_revision=record.get("config_revision"), child_pid=os.getpid(), **asdict(setting))
+    return row
+
+
+def finish_row(row: dict, **updates) -> dict:
+    row.update(updates)
+    now = time.time()
+    row["started_at"] = row["started_at"] or now
+    row["finished_at"] = row["finished_at"] or now
+    return {column: row.get(column) for column in COLUMNS}
+
+
+def add_cli(subparsers) -> None:
+    from pipeline.cli import positive_int
+
+    parser = subparsers.add_parser("measure", help="peak memory of one training point (CUDA; --device cpu to debug)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="model id (looked up in --configs, else the registry or the Hub)")
+    source.add_argument("--config", help="a Hugging Face config.json")
+    parser.add_argument("--configs", default="results/configs.json", help="output of `pipeline configs`")
+    parser.add_argument("--batch", type=positive_int, required=True)
+    parser.add_argument("--seq", type=positive_int, required=True)
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--attn", choices=ATTENTIONS, default="default")
+    parser.add_argument("--variant", choices=VARIANTS, default="standard")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--no-tf32", action="store_true", help="keep fp32 matmuls in full fp32 (slower)")
+    parser.add_argument("--json", action="store_true", help="print the whole row as JSON")
+    parser.set_defaults(handler=_measure_command)
+
+    from pipeline import sweep
+
+    sweep.add_cli(subparsers)
+
+
+def _measure_command(args) -> int:
+    from pipeline.sweep import model_record
+
+    device = resolve_device(args.device)
+    if device is None:
+        raise UserError("no CUDA device here; use --device cpu for a (peak-less) CPU debug run")
+    record = model_record(args.model, args.config, args.configs)
+    setting = Setting(args.variant, args.optimizer, args.checkpointing)
+    row = measure(record, args.batch, args.seq, args.precision, setting, args.attn, device, not args.no_tf32)
+    if args.json:
+        print(json.dumps(row, default=str))
+    else:
+        peak = row["peak_allocated_bytes"]
+        print(f"{row['model_id']} {args.precision} B={args.batch} L={args.seq}: {row['status']}"
+              + (f", peak {peak / 2**30:.2f} GiB" if peak else "") + (f" ({row['reason']})" if row["reason"] else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline.memory ...`: only this stage's commands (measure, sweep), so that the GPU
+    machine does not depend on the other stages' imports."""
+    from pipeline.cli import OneLineParser
+
+    parser = OneLineParser(prog="python -m pipeline.memory")
+    add_cli(parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser))
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args) or 0
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""Stage: every estimator against every measured peak; the README's headline numbers.
+
+For each `ok` or `oom` row of the standard training step in the peak table and each estimator:
+
+- `blog`: the blog's formula as published;
+- `heuristic`: our refit coefficients and constants as written in coefficients.json (in-sample:
+  the peak rows may have been used to measure its constants);
+- `heuristic-lofo`: the same, refit without the validated model's family (the hook fit from the
+  coefficient file's own rows, the empirical constants from the peak table without that family);
+- `exact` (with `--exact`): the simulator, once per configuration.
+
+`ok` rows get predicted vs measured `peak_allocated_bytes`; every row gets fits or not on the
+measured GPU's total memory. `summarize` makes the markdown and JSON summary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+ESTIMATORS = ("blog", "heuristic", "heuristic-lofo", "exact")
+KEY_COLUMNS = ["model_id", "model_type", "family", "parameters", "precision", "optimizer", "gradient_checkpointing",
+               "attn_implementation", "variant", "batch_size", "seq_len", "status", "device"]
+
+
+def measured_rows(peaks):
+    """ok and oom rows of the standard step (the estimators model nothing else)."""
+    from pipeline.fit import _require_columns
+
+    _require_columns(peaks, ["model_id", "family", "parameters", "precision", "optimizer", "gradient_checkpointing",
+                             "batch_size", "seq_len", "status", "peak_allocated_bytes", "gpu_total_bytes"],
+                     "peak table")
+    measured = (peaks["status"] == "oom") | ((peaks["status"] == "ok") & peaks["peak_allocated_bytes"].notna())
+    rows = peaks[measured & peaks["gpu_total_bytes"].notna()].copy()
+    rows["gradient_checkpointing"] = rows["gradient_checkpointing"].fillna(False).astype(bool)
+    if "variant" in rows.columns:
+        rows = rows[rows["variant"].fillna("standard") == "standard"]
+    for column in KEY_COLUMNS:
+        if column not in rows.columns:
+            rows[column] = None
+    return rows.reset_index(drop=True)
+
+
+def refit_without_family(coefficients: dict, peaks, family: str) -> dict | None:
+    """The coefficient dict refit without one family (None when too few models remain)."""
+    import copy
+
+    import numpy as np
+    from sklearn.linear_model import LinearRegression
+
+    from pipeline.fit import peak_constants, sample_weights
+
+    column = coefficients["x"]
+    rows = [r for r in coefficients["data"]["rows"] if r["family"] != family]
+    if len(rows) < 2 or len({r[column] for r in rows}) < 2:
+        return None
+    x = np.array([[r[column]] for r in rows], float)
+    y = np.array([r["elements_per_token"] for r in rows], float)
+    line = LinearRegression().fit(x, y, sample_weight=sample_weights(y, coefficients["weighting"]))
+    refit = copy.deepcopy(coefficients)
+    refit["a"], refit["b"] = float(line.coef_[0]), float(line.intercept_)
+    if coefficients["data"].get("inputs", {}).get("peaks"):  # constants were measured: measure them again
+        others = peaks[peaks["family"] != family]
+        active = {r["model_id"]: r.get("active_parameters") or r["parameters"] for r in coefficients["data"]["rows"]}
+        refit["estimator"].update(peak_constants(others, refit["a"], refit["b"], active))
+    return refit
+
+
+class ExactCache:
+    """The simulator's answers, one call per configuration; configs read once per model."""
+
+    def __init__(self, configs_path):
+        from pipeline.configs import load_configs
+
+        self.configs = load_configs(configs_path)
+        self.answers = {}
+
+    def peak(self, row) -> float:
+        from pipeline.estimate import exact_peak
+
+        attn = row.attn_implementation if isinstance(row.attn_implementation, str) else None
+        key = (row.model_id, int(row.batch_size), int(row.seq_len), row.precision, row.optimizer,
+               bool(row.gradient_checkpointing), attn)
+        if key not in self.answers:
+            if row.model_id not in self.configs:
+                raise UserError(f"{row.model_id}: no ok config in the configs file")
+            self.answers[key] = exact_peak(self.configs[row.model_id].config, *key[1:])[0]
+        return self.answers[key]
+
+
+def predict(row, estimator: str, coefficients: dict | None, exact: ExactCache | None, active: dict) -> float:
+    from pipeline.estimate import Target, estimate_target
+
+    if estimator == "exact":
+        return exact.peak(row)
+    target = Target(int(row.parameters), row.model_id, active_parameters=active.get(row.model_id))
+    method = "blog" if estimator == "blog" else "heuristic"
+    return estimate_target(target, int(row.batch_size), int(row.seq_len), row.precision, row.optimizer,
+                           bool(row.gradient_checkpointing), method, coefficients)["peak_bytes"]
+
+
+def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False):
+    """The validation table: one row per measured ok/oom point x estimator."""
+    import math
+
+    import pandas as pd
+
+    from pipeline.provenance import software
+
+    rows = measured_rows(peaks)
+    if rows.empty:
+        raise UserError("peak table: no ok or oom rows of the standard training step")
+    estimators = [e for e in ESTIMATORS if e != "exact" or exact]
+    cache = ExactCache(configs_path) if exact else None
+    lofo = {family: refit_without_family(coefficients, peaks, family) for family in rows["family"].unique()}
+    active = {r["model_id"]: r.get("active_parameters") for r in coefficients["data"]["rows"]}  # MoE: per token
+    records = []
+    for row in rows.itertuples(index=False):
+        for estimator in estimators:
+            chosen = lofo[row.family] if estimator == "heuristic-lofo" else coefficients
+            predicted, reason = _predicted(row, estimator, chosen, cache, active)
+            measured = float(row.peak_allocated_bytes) if row.status == "ok" else math.nan
+            record = {column: getattr(row, column) for column in KEY_COLUMNS}
+            record.update(
+                estimator=estimator, predicted_peak_bytes=predicted, measured_peak_bytes=measured,
+                relative_error=(predicted - measured) / measured if row.status == "ok" else math.nan,
+                fits_predicted=None if math.isnan(predicted) else bool(predicted <= row.gpu_total_bytes),
+                fits_measured=row.status == "ok", gpu_memory_bytes=row.gpu_total_bytes, reason=reason,
+                config_source=getattr(row, "config_source", None), config_revision=getattr(row, "config_revision", None))
+            records.append(record)
+    table = pd.DataFrame.from_records(records)
+    for name, value in software().items():
+        table[name] = value
+    return table
+
+
+def _predicted(row, estimator, coefficients, cache, active) -> tuple[float, str | None]:
+    """(prediction, None) or (NaN, why not): one failing point never stops the stage."""
+    import math
+
+    if estimator == "heuristic-lofo" and coefficients is None:
+        return math.nan, "too few models left without this family"
+    try:
+        return float(predict(row, estimator, coefficients, cache, active)), None
+    except UserError as exc:
+        return math.nan, str(exc)
+    except Exception as exc:  # noqa: BLE001 - the simulator failing on one model is a row, not a crash
+        return math.nan, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def error_summary(group) -> dict:
+    ok = group[group["status"] == "ok"]["relative_error"].abs().dropna()
+    judged = group.dropna(subset=["fits_predicted"])
+    return {
+        "points": int(len(ok)),
+        "median_abs_relative_error": float(ok.median()) if len(ok) else None,
+        "p90_abs_relative_error": float(ok.quantile(0.9)) if len(ok) else None,
+        "worst_abs_relative_error": float(ok.max()) if len(ok) else None,
+        "median_relative_error": float(group[group["status"] == "ok"]["relative_error"].median()) if len(ok) else None,
+        "fit_points": int(len(judged)),
+        "fit_accuracy": float((judged["fits_predicted"] == judged["fits_measured"]).mean()) if len(judged) else None,
+    }
+
+
+def summarize(table, coefficients: dict | None = None) -> dict:
+    """Median, 90th percentile and worst |relative error| per estimator and per precision, fit/no-fit accuracy."""
+    summary = {"overall": {}, "by_precision": {}}
+    for estimator, group in table.groupby("estimator", sort=False):
+        summary["overall"][estimator] = error_summary(group)
+        summary["by_precision"][estimator] = {p: error_summary(g) for p, g in group.groupby("precision")}
+    summary["models"] = int(table["model_id"].nunique())
+    summary["families"] = int(table["family"].nunique())
+    if coefficients is not None:
+        summary["activation_fit"] = {
+            "formula": coefficients["formula"], "a": coefficients["a"], "b": coefficients["b"],
+            "x": coefficients["x"], "weighting": coefficients["weighting"],
+            "leave_one_family_out": coefficients["metrics"]["leave_one_family_out"],
+            "blog_on_our_counts": coefficients["blog"]["metrics_on_our_hook_counts"],
+        }
+    return summary
+
+
+def _pct(value) -> str:
+    return "—" if value is None else f"{value:.1%}"
+
+
+def summary_markdown(summary: dict) -> str:
+    lines = [f"Estimated vs measured peak memory of the standard training step "
+             f"({summary['models']} models, {summary['families']} families); |relative error| of `ok` points, "
+             "fit/no-fit accuracy over `ok` and `oom` points on the measured GPU's memory.", "",
+             "| estimator | precision | points | median | 90th pct | worst | median signed | fit/no-fit accuracy |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for estimator, overall in summary["overall"].items():
+        for precision, s in [("all", overall), *summary["by_precision"][estimator].items()]:
+            lines.append(f"| {estimator} | {precision} | {s['points']} | {_pct(s['median_abs_relative_error'])} | "
+                         f"{_pct(s['p90_abs_relative_error'])} | {_pct(s['worst_abs_relative_error'])} | "
+                         f"{_pct(s['median_relative_error'])} | {_pct(s['fit_accuracy'])} |")
+    fit = summary.get("activation_fit")
+    if fit:
+        lofo, blog = fit["leave_one_family_out"] or {}, fit["blog_on_our_counts"]
+        lines += ["", f"Activation fit (hook elements per token at B=L=1): A = {fit['a']:.4e} x N + {fit['b']:.4e}, "
+                      f"N = {fit['x'].replace('_', ' ')}, least squares of the {'relative' if fit['weighting'] == 'relative' else 'absolute'} "
+                      f"error; leave-one-family-out MAPE {_pct(lofo.get('mape'))}, worst {_pct(lofo.get('max_abs_percentage_error'))} "
+                      f"({lofo.get('worst_model_id', '—')}). The blog's coefficients (converted to elements) on the same "
+                      f"counts: MAPE {_pct(blog['mape'])}, worst {_pct(blog['max_abs_percentage_error'])} "
+                      f"({blog['worst_model_id']})."]
+    lines += ["", "`heuristic-lofo`: refit without the validated model's family; `heuristic`: in-sample."]
+    return "\n".join(lines) + "\n"
+
+
+def run_validate(peaks_path, coefficients_path, configs_path, out_path, exact: bool = False,
+                 summary_path=None) -> dict:
+    from pipeline.fit import load_coefficients, read_table
+    from pipeline.io import write_json, write_parquet, write_text
+
+    coefficients = load_coefficients(coefficients_path)
+    peaks = read_table(peaks_path, "peak-memory")
+    if exact and not Path(configs_path).is_file():
+        raise UserError(f"{configs_path}: configs file not found (needed by --exact)")
+    table = validate(peaks, coefficients, configs_path, exact)
+    summary = summarize(table, coefficients)
+    summary_path = Path(summary_path) if summary_path else Path(out_path).with_name("validation_summary.md")
+    write_parquet(table, out_path)
+    write_text(summary_markdown(summary), summary_path)
+    write_json(summary, summary_path.with_suffix(".json"))
+    return summary
+
+
+def add_cli(subparsers) -> None:
+    parser = subparsers.add_parser("validate", help="every estimator against every measured peak")
+    parser.add_argument("--peaks", default="results/peak_memory.parquet")
+    parser.add_argument("--coefficients", default="results/coefficients.json")
+    parser.add_argument("--configs", default="results/configs.json", help="model configs (for --exact)")
+    parser.add_argument("--out", default="results/validation.parquet")
+    parser.add_argument("--summary", default=None, help="markdown summary (default: validation_summary.md beside --out; "
+                                                        "JSON beside it)")
+    parser.add_argument("--exact", action="store_true", help="also run the simulator (slow)")
+    parser.set_defaults(handler=_validate_command)
+
+
+def _validate_command(args) -> int:
+    summary = run_validate(args.peaks, args.coefficients, args.configs, args.out, args.exact, args.summary)
+    print(summary_markdown(summary), end="")
+    print(f"validate: -> {args.out}")
+    return 0

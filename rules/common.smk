@@ -1,0 +1,150 @@
+# Configuration and registry validation, the file names of the stage outputs, and the decisions
+# that depend on the machine (measure on a GPU or reuse the committed peak table).
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+from pipeline.dataset import failure_report
+from pipeline.figures import expected_figures
+from pipeline.registry import SCHEMA_PATH as REGISTRY_SCHEMA
+from pipeline.registry import safe_name, validate_registry_data
+
+
+validate(config, "../config/config.schema.json")
+
+
+def load_registry_file(path):
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise WorkflowError(f"registry {path} not found (set it with --config registry=PATH)")
+    except yaml.YAMLError:
+        raise WorkflowError(f"registry {path} is not valid YAML")
+    validate(data, str(REGISTRY_SCHEMA))
+    validate_registry_data(data, str(path), check_model_types=False)  # duplicates; model types: configs stage
+    return data
+
+
+REGISTRY = load_registry_file(config["registry"])
+MODEL_IDS = {safe_name(entry["id"]): entry["id"] for entry in REGISTRY["models"]}
+
+
+wildcard_constraints:
+    # safe_name(model_id): owner--name, no path separators, no '..'
+    model=r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]*--[A-Za-z0-9][A-Za-z0-9_.-]*",
+
+
+RESULTS = Path("results")
+CONFIGS = "results/configs.json"
+MODELS = "results/models.parquet"
+ACTIVATIONS = "results/activations.parquet"
+PEAKS = "results/peak_memory.parquet"
+COEFFICIENTS = "results/coefficients.json"
+VALIDATION = "results/validation.parquet"
+VALIDATION_SUMMARY = "results/validation_summary.md"
+DATASET_CARD = "results/dataset/README.md"
+PUBLISH_MANIFEST = "results/publish.json"
+
+
+def gpu_present():
+    """nvidia-smi lists a GPU (asks the driver only: no CUDA in this process)."""
+    if not shutil.which("nvidia-smi"):
+        return False
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return listed.returncode == 0 and "GPU" in listed.stdout
+
+
+def measure_mode():
+    if config["measure"] == "auto":
+        return "gpu" if gpu_present() else "reuse"
+    return config["measure"]
+
+
+MEASURE = measure_mode()
+# With measure=reuse the committed peak table is a plain input (no rule makes it, so Snakemake
+# never deletes or rebuilds it); without it, the peak-based outputs are left out.
+HAVE_PEAKS = MEASURE == "gpu" or Path(PEAKS).exists()
+
+
+def model_id(wildcards):
+    """The registry id behind a {model} file name; an id not in the registry is an error."""
+    if wildcards.model not in MODEL_IDS:
+        raise WorkflowError(f"{wildcards.model}: not a model of {config['registry']}")
+    return MODEL_IDS[wildcards.model]
+
+
+def plan_models():
+    from pipeline.sweep import load_plan, plan_models
+
+    return plan_models(load_plan(config["sweep_plan"]))
+
+
+def measured_models(wildcards):
+    """Per-model tables of the plan's models that are in the registry and have a config.
+
+    Known once the configs checkpoint has run (a model without a config has nothing to measure).
+    """
+    with open(checkpoints.configs.get().output.configs) as handle:
+        ok = {model for model, record in json.load(handle).items() if record["status"] == "ok"}
+    return [
+        f"results/peak_memory_parts/{safe_name(model)}.parquet"
+        for model in plan_models()
+        if model in ok
+    ]
+
+
+def peak_inputs(wildcards):
+    return {"peaks": PEAKS} if HAVE_PEAKS else {}
+
+
+def available_results():
+    """File names under results/ that exist or will be made by this run."""
+    names = {"configs.json", "models.parquet", "activations.parquet", "coefficients.json"}
+    if HAVE_PEAKS:
+        names |= {"peak_memory.parquet", "validation.parquet"}
+    return names
+
+
+FIGURES = expected_figures(available_results())
+
+
+def figure_path(name):
+    return f"results/figures/{name}.png"
+
+
+def final_outputs():
+    outputs = [DATASET_CARD, PUBLISH_MANIFEST] + [figure_path(name) for name in FIGURES]
+    if HAVE_PEAKS:
+        outputs.append(VALIDATION)
+    return outputs
+
+
+onstart:
+    if MEASURE == "reuse":
+        note = "reusing the committed" if HAVE_PEAKS else "no GPU and no committed"
+        print(f"measure: {note} {PEAKS} (measure=gpu re-measures on a GPU)")
+
+
+onsuccess:
+    failed = failure_report(str(RESULTS))
+    if failed:
+        print(f"{len(failed)} failure(s), each a row in the tables (subset: model: status: reason):")
+        print("\n".join(f"  {line}" for line in failed))
+
+
+onerror:
+    failed = failure_report(str(RESULTS))
+    if failed:
+        print("failures recorded so far (subset: model: status: reason):")
+        print("\n".join(f"  {line}" for line in failed))
+    print("see logs/ for each rule's log")

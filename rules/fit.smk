@@ -1,0 +1,41 @@
+rule fit:
+    input:
+        unpack(peak_inputs),
+        models=MODELS,
+        activations=ACTIVATIONS,
+    output:
+        coefficients=COEFFICIENTS,
+    params:
+        peaks=lambda wildcards, input: f"--peaks {input.peaks}" if "peaks" in input.keys() else "",
+    log:
+        "logs/fit.log",
+    conda:
+        "../envs/pipeline.yaml"
+    benchmark:
+        "logs/benchmarks/fit.tsv"
+    shell:
+        "python -m pipeline fit --models {input.models:q} --activations {input.activations:q}"
+        " {params.peaks} --out {output.coefficients:q} > {log:q} 2>&1"
+
+
+rule validate:
+    input:
+        peaks=PEAKS,
+        coefficients=COEFFICIENTS,
+        configs=CONFIGS,
+    output:
+        validation=VALIDATION,
+        summary=VALIDATION_SUMMARY,
+        summary_json=VALIDATION_SUMMARY.replace(".md", ".json"),
+    params:
+        exact="--exact" if config["validate_exact"] else "",
+    log:
+        "logs/validate.log",
+    conda:
+        "../envs/pipeline.yaml"
+    benchmark:
+        "logs/benchmarks/validate.tsv"
+    shell:
+        "python -m pipeline validate --peaks {input.peaks:q} --coefficients {input.coefficients:q}"
+        " --configs {input.configs:q} --out {output.validation:q} --summary {output.summary:q}"
+        " {params.exact} > {log:q} 2>&1"

@@ -1,0 +1,193 @@
+"""The dataset folder (parquet subsets + card) from real stage outputs, loading it offline with
+`datasets`, and publishing: the dry run's listing, and a token that never leaks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+REGISTRY = REPO / "models.yaml"
+COMMITTED_PEAKS = REPO / "results" / "peak_memory.parquet"
+# The quickest models to count, of two families: enough for a fit with leave-one-family-out.
+MODELS = ("EleutherAI/pythia-14m", "EleutherAI/pythia-70m", "distilbert/distilgpt2", "openai-community/gpt2")
+FAKE_TOKEN = "hf_ThisIsAFakeTokenThatMustNeverBePrinted42"
+
+
+def pipeline(*args, cwd, env=None, check=True):
+    result = subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=cwd, capture_output=True,
+                            text=True, env=env or offline_env(), timeout=600)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def offline_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", AVP_GIT_COMMIT="test-dataset")
+    env.update(extra)
+    return env
+
+
+def write_tiny_registry(path: Path) -> Path:
+    """The entries of MODELS, copied from the project's registry."""
+    registry = yaml.safe_load(REGISTRY.read_text())
+    registry["models"] = [m for m in registry["models"] if m["id"] in MODELS]
+    assert len(registry["models"]) == len(MODELS)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(registry, sort_keys=False))
+    return path
+
+
+def stage_results(root: Path) -> Path:
+    """results/ made by the real stages: configs, activations, fit (and validate on the committed
+    peaks), figures. Made once per test session (test_figures uses it too)."""
+    results = root / "results"
+    if (results / "figures").is_dir():
+        return results
+    write_tiny_registry(root / "models.yaml")
+    pipeline("configs", "--registry", "models.yaml", "--out", "results/configs.json", "--source", "embedded", cwd=root)
+    pipeline("activations", "--registry", "models.yaml", "--configs", "results/configs.json",
+             "--models-out", "results/models.parquet", "--activations-out", "results/activations.parquet", cwd=root)
+    pipeline("fit", "--models", "results/models.parquet", "--activations", "results/activations.parquet",
+             "--out", "results/coefficients.json", "--resamples", "200", cwd=root)
+    if COMMITTED_PEAKS.exists():
+        shutil.copyfile(COMMITTED_PEAKS, results / "peak_memory.parquet")
+        pipeline("validate", "--peaks", "results/peak_memory.parquet", "--coefficients", "results/coefficients.json",
+                 "--configs", "results/configs.json", "--out", "results/validation.parquet", cwd=root)
+    pipeline("figures", "--results", "results", "--out", "results/figures", cwd=root)
+    return results
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.getbasetemp() / "stage-results"
+    stage_results(root)
+    pipeline("dataset", "--results", "results", "--out", "results/dataset", "--repo", "someone/avp-test", cwd=root)
+    return root
+
+
+def card_header(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def test_every_subset_and_column_is_in_the_card(built):
+    dataset = built / "results" / "dataset"
+    card = (dataset / "README.md").read_text()
+    header = card_header(card)
+    assert header["license"] == "apache-2.0"
+    assert header["pretty_name"] and header["tags"] and header["size_categories"]
+    subsets = {c["config_name"]: c["data_files"][0]["path"] for c in header["configs"]}
+    expected = {"models", "activations", "coefficients"} | ({"peak_memory", "validation"} if COMMITTED_PEAKS.exists() else set())
+    assert expected <= set(subsets)
+    for subset, path in subsets.items():
+        frame = pd.read_parquet(dataset / path)
+        assert len(frame) > 0, subset
+        assert f"### `{subset}` ({len(frame)} rows)" in card
+        for column in frame.columns:
+            assert f"| `{column}` |" in card, (subset, column)
+    assert "huggingface.co/blog/train_memory" in card
+    assert 'load_dataset("someone/avp-test", "activations"' in card
+    assert "figures/activations_vs_parameters.png" in card
+    assert (dataset / "figures" / "activations_vs_parameters.png").is_file()
+
+
+def test_dataset_holds_the_real_counts(built):
+    dataset = built / "results" / "dataset" / "data"
+    models = pd.read_parquet(dataset / "models.parquet").set_index("model_id")
+    assert models.loc["openai-community/gpt2", "parameters"] == 124_439_808
+    assert set(models["config_source"]) == {"embedded"}
+    coefficients = pd.read_parquet(dataset / "coefficients.parquet")
+    main = coefficients[coefficients["role"] == "heuristic"].iloc[0]
+    fit = json.loads((built / "results" / "coefficients.json").read_text())
+    assert main["fit"] == fit.get("fit", main["fit"])
+    assert main["a"] == fit["a"] and main["b"] == fit["b"] and main["n_models"] == len(MODELS)
+    assert main["a_low"] <= main["a"] <= main["a_high"]
+    blog = coefficients[coefficients["fit"] == "blog"].iloc[0]
+    assert blog["a"] == 4.6894e-4 and blog["b"] == 1.8494e6
+
+
+def test_load_dataset_offline_for_every_subset(built, tmp_path):
+    import datasets
+
+    dataset = built / "results" / "dataset"
+    header = card_header((dataset / "README.md").read_text())
+    for config in header["configs"]:
+        subset = config["config_name"]
+        loaded = datasets.load_dataset(str(dataset), subset, split="train", cache_dir=str(tmp_path / "cache"))
+        frame = pd.read_parquet(dataset / "data" / f"{subset}.parquet")
+        assert loaded.num_rows == len(frame), subset
+        assert loaded.column_names == list(frame.columns), subset
+
+
+def test_a_column_without_description_fails_the_build(built, tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(built / "results", results, ignore=shutil.ignore_patterns("dataset"))
+    models = pd.read_parquet(results / "models.parquet").assign(mystery_column=1)
+    models.to_parquet(results / "models.parquet")
+    result = pipeline("dataset", "--results", results, "--out", results / "dataset", cwd=tmp_path, check=False)
+    assert result.returncode == 2
+    assert "models.mystery_column" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (results / "dataset").exists()
+
+
+def test_error_rows_are_reported(built, tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(built / "results", results, ignore=shutil.ignore_patterns("dataset"))
+    models = pd.read_parquet(results / "models.parquet")
+    models.loc[0, ["status", "reason"]] = ["error", "RuntimeError: broken on purpose"]
+    models.to_parquet(results / "models.parquet")
+    result = pipeline("dataset", "--results", results, "--out", results / "dataset", cwd=tmp_path)
+    assert f"failed: models: {models.loc[0, 'model_id']}: error: RuntimeError: broken on purpose" in result.stdout
+    assert "broken on purpose" in (results / "dataset" / "README.md").read_text()
+
+
+def test_publish_dry_run_lists_files_and_sizes(built):
+    dataset = built / "results" / "dataset"
+    manifest = built / "publish.json"
+    result = pipeline("publish", "--dataset", dataset, "--coefficients", built / "results" / "coefficients.json",
+                      "--repo", "someone/avp-test", "--dry-run", "--manifest", manifest, cwd=built)
+    listed = json.loads(manifest.read_text())
+    paths = {item["path_in_repo"]: item["bytes"] for item in listed["files"]}
+    assert paths["README.md"] == (dataset / "README.md").stat().st_size
+    assert paths["data/activations.parquet"] == (dataset / "data" / "activations.parquet").stat().st_size
+    assert "coefficients.json" in paths and listed["dry_run"] is True
+    assert "would upload" in result.stdout and "data/models.parquet" in result.stdout
+
+
+def test_publish_needs_a_token(built, tmp_path):
+    env = offline_env(HF_HOME=str(tmp_path / "hf"))  # no stored login either
+    result = pipeline("publish", "--dataset", built / "results" / "dataset", "--repo", "someone/avp-test",
+                      cwd=built, env=env, check=False)
+    assert result.returncode == 2 and "token" in result.stderr
+
+
+def test_token_never_leaks(built, tmp_path):
+    """Dry run and a real attempt that cannot connect: the token is in no output, log or file."""
+    env = offline_env(HF_TOKEN=FAKE_TOKEN, HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT="http://127.0.0.1:9")
+    env.pop("HF_HUB_OFFLINE")  # really try to connect (to a closed local port)
+    args = ["--dataset", built / "results" / "dataset", "--coefficients", built / "results" / "coefficients.json",
+            "--repo", "someone/avp-test"]
+    dry = pipeline("publish", *args, "--dry-run", "--manifest", tmp_path / "dry.json", cwd=tmp_path, env=env)
+    failed = pipeline("publish", *args, "--manifest", tmp_path / "real.json", cwd=tmp_path, env=env, check=False)
+    assert failed.returncode == 1
+    (line,) = failed.stderr.strip().splitlines()
+    assert line.startswith("error: upload to someone/avp-test failed (") and line.endswith("nothing was published")
+    assert not (tmp_path / "real.json").exists()
+    # huggingface_hub's own debug log (requests, retries, tracebacks) does not show it either
+    debug = pipeline("publish", *args, cwd=tmp_path, env=dict(env, HF_HUB_VERBOSITY="debug"), check=False)
+    assert debug.returncode == 1 and "authenticated: True" in debug.stderr
+    for result in (dry, failed, debug):
+        assert FAKE_TOKEN not in result.stdout + result.stderr
+    for path in [*tmp_path.rglob("*"), *(built / "results").rglob("*")]:
+        if path.is_file():
+            assert FAKE_TOKEN.encode() not in path.read_bytes(), path

@@ -1,0 +1,138 @@
+"""The estimators: the blog's formula as published, the heuristic in consistent units, fits and max batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.cli import main
+from pipeline.errors import UserError
+from pipeline.estimate import GIB, estimate, max_batch_size
+from pipeline.fit import load_coefficients, run_fit
+from test_fit import REGISTRY, tables  # noqa: F401 - the session fixture, shared
+
+QWEN_1_5B_PARAMETERS = 1_543_714_304
+
+
+@pytest.fixture(scope="module")
+def coefficients(tables, tmp_path_factory) -> Path:  # noqa: F811
+    path = tmp_path_factory.mktemp("estimate") / "coefficients.json"
+    run_fit(*tables, path, resamples=100)
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen_config(tmp_path_factory) -> Path:
+    """Qwen2.5-1.5B's config.json facts, as the test registry holds them."""
+    entries = {e["id"]: e for e in yaml.safe_load(REGISTRY.read_text())["models"]}
+    path = tmp_path_factory.mktemp("config") / "config.json"
+    path.write_text(json.dumps(entries["Qwen/Qwen2.5-1.5B"]["config"]))
+    return path
+
+
+def test_blog_method_reproduces_the_published_formula(qwen_config):
+    result = estimate(config=qwen_config, batch=16, seq=256, precision="fp32", method="blog")
+    n = 1_543_714_304
+    assert result["parameters"] == n  # counted from the config on the meta device
+    a = 4.6894e-4 * n + 1.8494e6  # the blog's A: fp32 bytes per token
+    p = 4
+    expected = n * p + 2 * n * p + max(n * p + n * p, a * 16 * 256 * p)
+    assert result["peak_bytes"] == pytest.approx(expected, rel=1e-12)
+    assert result["components"]["activations"] == pytest.approx(a * 16 * 256 * p)
+    assert result["activations_per_token"] == pytest.approx(a)
+    assert any("4x" in note for note in result["notes"])
+
+
+def test_heuristic_uses_consistent_units(coefficients):
+    c = load_coefficients(coefficients)
+    n = QWEN_1_5B_PARAMETERS
+    for precision, weight, element in (("fp32", 4, 4), ("bf16", 2, 2), ("amp-bf16", 4, 2)):
+        result = estimate(params=n, batch=8, seq=128, precision=precision, coefficients=coefficients)
+        elements = c["a"] * n + c["b"]
+        multiplier = c["estimator"]["activation_multiplier"][precision]["value"]
+        parts = result["components"]
+        assert result["activations_per_token"] == pytest.approx(elements)
+        copies = 2 * n if precision == "amp-bf16" else 0  # bf16 weight copies autocast keeps for backward
+        assert parts["activations"] == pytest.approx(elements * 8 * 128 * element * multiplier + copies)
+        assert parts["parameters"] == parts["gradients"] == parts["optimizer_intermediates"] == n * weight
+        assert parts["optimizer_state"] == 2 * n * weight
+        assert result["peak_bytes"] == pytest.approx(
+            parts["parameters"] + parts["optimizer_state"]
+            + max(parts["gradients"] + parts["optimizer_intermediates"], parts["activations"]))
+    sgd = estimate(params=n, batch=8, seq=128, precision="fp32", optimizer="sgd", coefficients=coefficients)
+    assert sgd["components"]["optimizer_state"] == n * 4
+
+
+def test_heuristic_takes_active_parameters_of_a_moe_config(coefficients, tmp_path):
+    entries = {e["id"]: e for e in yaml.safe_load(REGISTRY.read_text())["models"]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(entries["Qwen/Qwen1.5-MoE-A2.7B"]["config"]))
+    c = load_coefficients(coefficients)
+    result = estimate(config=path, batch=1, seq=64, precision="bf16", coefficients=coefficients)
+    assert result["active_parameters"] < result["parameters"]
+    assert result["activations_per_token"] == pytest.approx(c["a"] * result["active_parameters"] + c["b"])
+    assert result["components"]["parameters"] == 2 * result["parameters"]
+    given = estimate(params=result["parameters"], active_params=result["active_parameters"], batch=1, seq=64,
+                     precision="bf16", coefficients=coefficients)
+    assert given["peak_bytes"] == pytest.approx(result["peak_bytes"])
+
+
+def test_gpu_memory_answer_and_max_batch_size(coefficients):
+    kwargs = dict(params=QWEN_1_5B_PARAMETERS, seq=256, precision="fp32", method="blog")
+    peak = estimate(batch=16, **kwargs)["peak_bytes"]
+    assert estimate(batch=16, gpu_memory_gib=80, **kwargs)["fits"] is (peak <= 80 * GIB)
+    assert estimate(batch=16, gpu_memory_gib=peak / GIB * 0.99, **kwargs)["fits"] is False
+    for method in ("blog", "heuristic"):
+        kwargs["method"] = method
+        sizes = [max_batch_size(gpu_memory_gib=m, coefficients=coefficients, **kwargs) for m in (16, 24, 40, 80, 141)]
+        assert sizes == sorted(sizes) and sizes[0] == 0 and sizes[-1] > 0
+        largest = sizes[-1]
+        assert estimate(batch=largest, gpu_memory_gib=141, coefficients=coefficients, **kwargs)["fits"]
+        assert not estimate(batch=largest + 1, gpu_memory_gib=141, coefficients=coefficients, **kwargs)["fits"]
+
+
+def test_params_only_cli(capsys, coefficients):
+    assert main(["estimate", "--params", "1543714304", "--batch", "16", "--seq", "256", "--precision", "bf16",
+                 "--coefficients", str(coefficients), "--gpu-memory", "80", "--max-batch-size", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["method"] == "heuristic" and result["parameters"] == QWEN_1_5B_PARAMETERS
+    assert set(result["components"]) == {"parameters", "gradients", "optimizer_state", "optimizer_intermediates",
+                                         "activations"}
+    assert result["fits"] is True and result["max_batch_size"] >= 16
+
+
+@pytest.mark.parametrize("arguments", [
+    ["--params", "1e9", "--batch", "0", "--seq", "8", "--precision", "fp32"],
+    ["--params", "1e9", "--batch", "1", "--seq", "-3", "--precision", "fp32"],
+    ["--params", "1e9", "--batch", "1", "--seq", "8", "--precision", "fp16"],
+    ["--params", "1e9", "--batch", "1", "--seq", "8", "--precision", "fp32", "--method", "exact"],
+    ["--params", "-5", "--batch", "1", "--seq", "8", "--precision", "fp32", "--method", "blog"],
+    ["--params", "1e9", "--batch", "1", "--seq", "8", "--precision", "fp32", "--coefficients", "{bad}"],
+    ["--params", "1e9", "--batch", "1", "--seq", "8", "--precision", "fp32", "--coefficients", "{missing}"],
+    ["--config", "{no_heads}", "--batch", "1", "--seq", "8", "--precision", "fp32", "--method", "blog"],
+    ["--params", "1e9", "--seq", "8", "--precision", "fp32", "--method", "blog", "--max-batch-size"],
+])
+def test_bad_input_is_one_line_and_exit_2(arguments, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 1, "a": ')  # a truncated coefficient file
+    no_heads = tmp_path / "config.json"
+    no_heads.write_text(json.dumps({"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64,
+                                    "num_hidden_layers": 2}))
+    paths = {"{bad}": str(bad), "{missing}": str(tmp_path / "absent.json"), "{no_heads}": str(no_heads)}
+    arguments = [paths.get(a, a) for a in arguments]
+    try:
+        code = main(["estimate", *arguments])
+    except SystemExit as exc:  # argparse's own one-line errors
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err and "\n" not in err and "Traceback" not in err
+
+
+def test_python_api_bad_input():
+    with pytest.raises(UserError, match="batch must be a positive integer"):
+        estimate(params=1e9, batch=0, seq=8, precision="fp32", method="blog")
+    with pytest.raises(UserError, match="exactly one of"):
+        estimate(params=1e9, config={"model_type": "gpt2"}, batch=1, seq=8, precision="fp32", method="blog")

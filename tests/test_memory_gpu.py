@@ -1,0 +1,163 @@
+"""GPU tests of the peak-memory sweep: a small real sweep whose numbers must make sense.
+
+    python3 -m pytest -m gpu tests/test_memory_gpu.py     # with pytest
+    python3 tests/test_memory_gpu.py                      # without pytest (the GPU machine has none)
+
+Runs pythia-14m and SmolLM2-135M (configs from tests/data/models_small.yaml, no jsonschema needed)
+through the real fork machinery on CUDA, fp32 and bf16, a few points, plus checkpointing and SGD.
+This process never initialises CUDA itself (the children do), so the fork stays safe.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import yaml  # noqa: E402
+
+from pipeline import sweep  # noqa: E402
+from pipeline.memory import cuda_available  # noqa: E402
+
+try:
+    import pytest
+
+    pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")]
+except ImportError:  # plain-script mode
+    pytest = None
+
+MODELS = ("EleutherAI/pythia-14m", "HuggingFaceTB/SmolLM2-135M")
+SMOLLM = MODELS[1]
+BATCHES, SEQS = (1, 2, 4), (128, 256)
+SIZE = {"fp32": 4, "bf16": 2}
+_RESULT = {}
+
+
+def write_configs(folder: Path) -> Path:
+    small = {m["id"]: m for m in yaml.safe_load((REPO / "tests/data/models_small.yaml").read_text())["models"]}
+    configs = {model_id: {"family": small[model_id]["family"], "model_type": small[model_id]["config"]["model_type"],
+                          "status": "ok", "reason": None, "config_source": "embedded", "config_revision": None,
+                          "config": small[model_id]["config"]} for model_id in MODELS}
+    path = folder / "configs.json"
+    path.write_text(json.dumps(configs))
+    return path
+
+
+def gpu_sweep():
+    """Run the small sweep once (module-wide): returns (folder, rows of the aggregated table)."""
+    if not _RESULT:
+        folder = Path(tempfile.mkdtemp(prefix="avp-gpu-"))
+        configs = write_configs(folder)
+        plan = sweep.parse_plan({
+            "grid": {"batch_sizes": list(BATCHES), "seq_lens": list(SEQS)}, "precisions": ["fp32", "bf16"],
+            "models": list(MODELS),
+            "variants": [{"name": "ckpt", "gradient_checkpointing": True, "models": [SMOLLM], "points": [[4, 256]]},
+                         {"name": "sgd", "optimizer": "sgd", "models": [SMOLLM], "points": [[4, 256]]}]})
+        records, missing = sweep.load_model_records(configs, MODELS)
+        assert not missing
+        outcomes = sweep.run_sweep(sweep.plan_jobs(plan, records), folder / "parts", device="cuda", child_timeout=180)
+        assert outcomes["finished"] == 4, outcomes
+        frame = sweep.aggregate(folder / "parts", folder / "peak_memory.parquet")
+        _RESULT.update(folder=folder, configs=configs, rows=frame.to_dict("records"))
+    return _RESULT["folder"], _RESULT["rows"]
+
+
+def standard(rows):
+    return [r for r in rows
+            if r["variant"] == "standard" and r["optimizer"] == "adamw" and not r["gradient_checkpointing"]]
+
+
+def test_every_point_ran_on_the_gpu():
+    _, rows = gpu_sweep()
+    assert len(rows) == len(MODELS) * 2 * len(BATCHES) * len(SEQS) + 2 * 2
+    assert {r["status"] for r in rows} == {"ok"}, [(r["model_id"], r["reason"]) for r in rows if r["status"] != "ok"]
+    for r in rows:
+        assert r["measure_device"] == "cuda" and r["gpu_total_bytes"] > 0 and r["device"]
+        assert r["cuda_version"] and r["allow_tf32"] in (True, False)
+
+
+def test_weights_and_optimizer_state_have_their_exact_sizes():
+    _, rows = gpu_sweep()
+    for r in rows:
+        size = SIZE[r["precision"]]
+        moments = 1 if r["optimizer"] == "sgd" else 2  # AdamW's step counters stay on the CPU
+        assert r["optimizer_state_bytes"] == moments * r["parameters"] * size, r
+        assert r["weights_bytes"] >= r["parameters"] * size
+        # Back to the weights before every point: nothing leaks from one point into the next, except
+        # the cuBLAS workspaces that torch keeps after the first matmul (tens of MiB at most).
+        assert 0 <= r["allocated_before_bytes"] - r["weights_bytes"] <= 256 * 2**20, r
+
+
+def test_peak_is_above_weights_plus_state_and_is_the_max_of_the_phases():
+    _, rows = gpu_sweep()
+    for r in rows:
+        phases = [r["forward_peak_bytes"], r["backward_peak_bytes"], r["optimizer_peak_bytes"]]
+        assert r["peak_allocated_bytes"] == max(phases)
+        assert r["peak_allocated_bytes"] > r["weights_bytes"] + r["optimizer_state_bytes"]
+        assert r["peak_reserved_bytes"] >= r["peak_allocated_bytes"]
+        if r["nvml_used_bytes"] is not None:  # None where NVML cannot see this process (PID namespace)
+            assert r["nvml_used_bytes"] >= r["peak_reserved_bytes"]
+        assert r["step_seconds"] > 0 and r["tokens_per_second"] > 0
+
+
+def test_bf16_needs_less_than_fp32_at_the_same_point():
+    _, rows = gpu_sweep()
+    peaks = {(r["model_id"], r["precision"], r["batch_size"], r["seq_len"]): r["peak_allocated_bytes"]
+             for r in standard(rows)}
+    for model_id in MODELS:
+        for batch in BATCHES:
+            for seq in SEQS:
+                assert peaks[(model_id, "bf16", batch, seq)] < peaks[(model_id, "fp32", batch, seq)]
+
+
+def test_peak_does_not_decrease_with_batch_size():
+    _, rows = gpu_sweep()
+    peaks = {(r["model_id"], r["precision"], r["batch_size"], r["seq_len"]): r["peak_allocated_bytes"]
+             for r in standard(rows)}
+    for model_id in MODELS:
+        for precision in SIZE:
+            for seq in SEQS:
+                series = [peaks[(model_id, precision, batch, seq)] for batch in BATCHES]
+                assert series == sorted(series), (model_id, precision, seq, series)
+
+
+def test_checkpointing_and_sgd_lower_the_peak():
+    _, rows = gpu_sweep()
+    at = {(r["precision"], r["optimizer"], r["gradient_checkpointing"]): r["peak_allocated_bytes"]
+          for r in rows if r["model_id"] == SMOLLM and (r["batch_size"], r["seq_len"]) == (4, 256)}
+    for precision in SIZE:
+        assert at[(precision, "adamw", True)] < at[(precision, "adamw", False)]
+        assert at[(precision, "sgd", False)] < at[(precision, "adamw", False)]
+
+
+def test_measure_command_on_the_gpu():
+    folder, _ = gpu_sweep()
+    result = subprocess.run([sys.executable, "-m", "pipeline.memory", "measure", "--model", SMOLLM, "--configs",
+                             str(_RESULT["configs"]), "--batch", "2", "--seq", "128", "--precision", "amp-bf16",
+                             "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["status"] == "ok" and row["precision"] == "amp-bf16"
+    assert row["optimizer_state_bytes"] == 2 * row["parameters"] * 4  # fp32 state under autocast
+    assert row["peak_allocated_bytes"] > row["weights_bytes"] + row["optimizer_state_bytes"]
+
+
+if __name__ == "__main__":
+    if not cuda_available():
+        print("no CUDA device: nothing to test")
+        sys.exit(0)
+    failed = 0
+    for name, test in [(n, f) for n, f in list(globals().items()) if n.startswith("test_") and callable(f)]:
+        try:
+            test()
+            print(f"PASS {name}")
+        except Exception as exc:  # noqa: BLE001 - report every test, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:2000]}")
+    print(f"{failed} failed" if failed else "all passed", f"(results in {_RESULT.get('folder')})")
+    sys.exit(1 if failed else 0)
