@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     parser.add_argument("--simulated", default="results/simulated.parquet")
     parser.add_argument("--simulate", action="store_true", help="(re)make the simulated table first")
     parser.add_argument("--models", nargs="+", help="only these models")
+    parser.add_argument("--workers", type=int, default=1, help="processes for --simulate")
     parser.add_argument("--out", default="results/simulate_accuracy")
     args = parser.parse_args(argv)
 
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     if args.models:
         peaks = peaks[peaks["model_id"].isin(args.models)]
     if args.simulate:
-        simulated = simulate(peaks, args.configs, args.simulated)
+        simulated = simulate(peaks, args.configs, args.simulated, args.workers)
     else:
         simulated = pd.read_parquet(args.simulated)
     table = compare(peaks, simulated)
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def simulate(peaks, configs_path, out_path):
+def simulate(peaks, configs_path, out_path, workers=1):
     """simulate-peaks on (a subset of) the measured table."""
     import tempfile
 
@@ -63,7 +64,7 @@ def simulate(peaks, configs_path, out_path):
     with tempfile.TemporaryDirectory() as folder:
         subset = Path(folder) / "peaks.parquet"
         peaks.to_parquet(subset)
-        return simulate_peaks(subset, configs_path, out_path)
+        return simulate_peaks(subset, configs_path, out_path, workers)
 
 
 def compare(peaks, simulated):

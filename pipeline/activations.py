@@ -13,13 +13,19 @@ Forwards run on the meta device (`forward=meta`). When a forward needs a value t
 not have (`Tensor.item()` in a data-dependent branch), it runs again with the values that follow
 from the input ids computed for real on the CPU beside the meta tensors (`forward=meta-fallback`):
 position ids, masks and packed-sequence checks get their true values, weights stay absent. What
-still fails runs on the CPU with random weights when the model is small (`forward=cpu`), else the
-row is an error with its reason.
+still fails (branches on weight-derived values, e.g. MoE routing read with `.tolist()`) runs on the
+CPU with real buffers and weights that take no memory (`forward=cpu`) when its activations fit,
+else the row is an error with its reason.
+
+Attention: meta tensors take the math kernel of scaled_dot_product_attention, which saves the
+attention probabilities (B x heads x L x L per layer) for backward; CUDA's flash and
+memory-efficient kernels save a log-sum-exp instead. The `saved` counts therefore grow with L^2
+where CUDA's may not (bf16, and fp32 without grouped-query attention, use those kernels there).
 """
 
 from __future__ import annotations
 
-import math
+import gc
 import os
 import signal
 import sys
@@ -32,7 +38,8 @@ from pipeline.errors import UserError
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Precision modes of the saved-for-backward count (DESIGN.md): the dtype of the weights, and
 # whether the forward runs under CUDA's autocast policy to bfloat16.
-PRECISIONS = {"float32": ("float32", False), "bfloat16": ("bfloat16", False), "amp-bf16": ("float32", True)}
+PRECISIONS = {"float32": ("float32", False), "bfloat16": ("bfloat16", False), "float16": ("float16", False),
+              "amp-bf16": ("float32", True)}
 # Element size used for the bytes of a precision (amp-bf16 computes the matmuls in bfloat16).
 PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "amp-bf16": 2}
 
@@ -115,20 +122,20 @@ def moe_routing(config) -> tuple[int | None, int | None]:
 
 
 def routed_expert_parameters(model, num_experts: int | None) -> int:
-    """Parameters of the routed experts: under a module named `*experts*` (not shared experts),
-    stacked with a leading dimension of `num_experts` or held in a ModuleList of `num_experts` experts."""
+    """Parameters of the routed experts: those of a module named (or of a class named) `*expert*`, not
+    a shared expert, stacked with a leading dimension of `num_experts` or in a ModuleList of `num_experts`."""
     import torch
 
     if not num_experts:
         return 0
     seen, total = set(), 0
     for name, module in model.named_modules():
-        last = name.rsplit(".", 1)[-1].lower()
-        if "expert" not in last or "shared" in last:
+        names = f"{name.rsplit('.', 1)[-1]} {type(module).__name__}".lower()
+        if "expert" not in names or "shared" in names:
             continue
         if isinstance(module, torch.nn.ModuleList) and len(module) == num_experts:
             candidates = list(module.parameters())
-        else:
+        else:  # not recursing: a router's (num_experts, hidden) weight is not an expert
             candidates = [p for p in module.parameters(recurse=False) if p.dim() and p.shape[0] == num_experts]
         for p in candidates:
             if id(p) not in seen:
@@ -146,7 +153,7 @@ def _first_int(config, names) -> int | None:
     nested = [value for key, value in vars(config).items() if not key.startswith("_") and hasattr(value, "to_dict")]
     for source in (config, *nested):
         for name in names:
-            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+            value = getattr(source, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
     return None
@@ -167,7 +174,7 @@ def architecture_facts(config) -> dict:
     return {
         "num_hidden_layers": _first_int(text, ("num_hidden_layers", "n_layer", "num_layers")),
         "hidden_size": hidden,
-        "intermediate_size": _first_int(text, ("intermediate_size", "n_inner", "ffn_hidden_size")),
+        "intermediate_size": _first_int(text, ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -214,8 +221,8 @@ class _DispatchModes:
     classes = None
 
     @classmethod
-    def meta(cls, track_values: bool):
-        return cls._classes()[0](track_values)
+    def meta(cls, track_values: bool, shape_cache: dict):
+        return cls._classes()[0](track_values, shape_cache)
 
     @classmethod
     def zero_weight_retry(cls):
@@ -235,7 +242,6 @@ def _define_dispatch_modes():
     aten = torch.ops.aten
     meta = torch.device("meta")
     relaxed_bf16_only = {aten._grouped_mm.default}
-    shape_cache: dict = {}  # shared by all models of a process: keys are exact shapes
     cacheable: dict = {}
     writes: dict = {}
 
@@ -277,9 +283,10 @@ def _define_dispatch_modes():
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=meta)
 
     class MetaDispatchMode(TorchDispatchMode):
-        def __init__(self, track_values: bool):
+        def __init__(self, track_values: bool, shape_cache: dict):
             super().__init__()
             self.track_values = track_values
+            self.shape_cache = shape_cache  # one per model: its layers repeat shapes
             self.stale_storages = set()  # written in place from unknown values
 
         def track(self, meta_tensor, value) -> None:
@@ -313,12 +320,12 @@ def _define_dispatch_modes():
             if not is_cacheable(func):
                 return func(*args, **kwargs)
             key = (func, key_of(args), key_of(kwargs), torch.get_default_dtype())  # factories use the default
-            cached = shape_cache.get(key)
+            cached = self.shape_cache.get(key)
             if cached is None:
                 out = func(*args, **kwargs)
                 outs = out if isinstance(out, tuple) else (out,)
                 if all(isinstance(o, torch.Tensor) and o.device == meta for o in outs):
-                    shape_cache[key] = (isinstance(out, tuple), [(o.shape, o.stride(), o.dtype) for o in outs])
+                    self.shape_cache[key] = (isinstance(out, tuple), [(o.shape, o.stride(), o.dtype) for o in outs])
                 return out
             is_tuple, specs = cached
             outs = tuple(torch.empty_strided(s, st, dtype=d, device=meta) for s, st, d in specs)
@@ -378,7 +385,7 @@ def _define_dispatch_modes():
 
         def __init__(self):
             super().__init__()
-            self.shapes = MetaDispatchMode(track_values=False)
+            self.shapes = MetaDispatchMode(track_values=False, shape_cache={})
 
         def __torch_dispatch__(self, func, types, args, kwargs=None):
             kwargs = kwargs or {}
@@ -423,7 +430,7 @@ def _cuda_autocast_emulation():
 
     lower = {"__matmul__", "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm", "chain_matmul", "multi_dot",
              "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-             "linear", "matmul", "mm", "mv", "prelu", "scaled_dot_product_attention", "_grouped_mm", "grouped_mm"}
+             "linear", "matmul", "mm", "mv", "prelu", "scaled_dot_product_attention"}
     fp32 = {"__pow__", "__rdiv__", "__rpow__", "__rtruediv__", "acos", "asin", "binary_cross_entropy_with_logits",
             "cosh", "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum",
             "dist", "erfinv", "exp", "expm1", "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss",
@@ -444,6 +451,8 @@ def _cuda_autocast_emulation():
         def cast(self, x, dtype):
             if not isinstance(x, torch.Tensor) or x.dtype not in floating or x.dtype == dtype:
                 return x
+            if x.dtype == torch.float64 and dtype == torch.bfloat16:
+                return x  # autocast leaves doubles alone
             if x.is_leaf and x.requires_grad:  # parameters: cast once per forward, as autocast does
                 cached = self.cast_cache.get(id(x))
                 if cached is None or cached[0] is not x:
@@ -518,12 +527,14 @@ def saved_storages(model, ids, autocast: bool = False) -> tuple[int, int]:
         storage = tensor.untyped_storage()
         if storage._cdata not in state and storage._cdata not in storages:
             storages[storage._cdata] = (storage, tensor.element_size())
-        return tensor
+        # Not the tensor: a graph node saving its own output through a hook would hold itself (a
+        # cycle through C++ that leaks). The storages above stay alive until the forward ends.
+        return None
 
     model.train()
     with ExitStack() as stack:
         stack.enter_context(torch.enable_grad())
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None))  # no backward
         if autocast:
             stack.enter_context(_cuda_autocast_emulation())
         model(input_ids=ids, labels=ids, use_cache=False)
@@ -539,8 +550,8 @@ def saved_storages(model, ids, autocast: bool = False) -> tuple[int, int]:
 FORWARD_PATHS = ("meta", "meta-fallback", "cpu")
 
 
-class PointTimeout(Exception):
-    pass
+class PointTimeout(BaseException):
+    """Raised by the alarm; a BaseException so that no `except Exception` on the way swallows it."""
 
 
 @dataclass
@@ -556,7 +567,7 @@ class Measurement:
 class ModelCounter:
     """One model's counting forwards: built on meta once per dtype, falling back path by path.
 
-    Paths: `meta`; `meta-fallback` (input-derived values tracked, see _define_dispatch_mode);
+    Paths: `meta`; `meta-fallback` (input-derived values tracked, see _DispatchModes);
     `cpu`: a real CPU forward with real buffers and weights that take no memory (a zero expanded
     to the weight's shape), for branches on weight-derived values such as MoE routing with
     `.tolist()`; the math SDPA kernel is used there, as on meta.
@@ -568,46 +579,36 @@ class ModelCounter:
         self.first_path = {"hook": "meta", "saved": "meta"}
         self.vocab_size = architecture_facts(config)["vocab_size"] or 2
         self.elements_per_token = None  # of the hook method, once measured
+        self.shape_cache = {}
 
     def model(self, dtype: str, device: str = "meta"):
-        import torch
-
-        from pipeline.configs import build_model
-
         if (dtype, device) not in self.models:
             if device == "cpu":
                 self.models = {key: m for key, m in self.models.items() if key[1] == "meta"}  # one at a time
                 self.models[dtype, device] = zero_weight_model(self.config, dtype)
             else:
-                self.models[dtype, device] = build_model(self.config, device=device, dtype=getattr(torch, dtype))
+                self.models[dtype, device] = build_uninitialised(self.config, device, dtype)
         return self.models[dtype, device]
 
     def parameters(self) -> int:
         return sum(p.numel() for p in self.model("float32").parameters())
 
     def hook(self, batch: int, seq: int) -> Measurement:
-        measurement = self.measure("hook", batch, seq, "float32",
-                                   lambda model, ids: (hook_elements(model, ids), None))
+        measurement = self.measure("hook", batch, seq, "float32")
         if measurement.status == "ok":
             self.elements_per_token = measurement.elements / (batch * seq)
         return measurement
 
     def saved(self, batch: int, seq: int, precision: str) -> Measurement:
         dtype, autocast = PRECISIONS[precision]
+        return self.measure("saved", batch, seq, dtype, autocast)
 
-        def count(model, ids):
-            nbytes, elements = saved_storages(model, ids, autocast)
-            return elements, nbytes
-
-        count.autocast = autocast
-        return self.measure("saved", batch, seq, dtype, count)
-
-    def measure(self, method: str, batch: int, seq: int, dtype: str, count) -> Measurement:
+    def measure(self, method: str, batch: int, seq: int, dtype: str, autocast: bool = False) -> Measurement:
         start = time.perf_counter()
         errors = []
         for path in FORWARD_PATHS[FORWARD_PATHS.index(self.first_path[method]):]:
             try:
-                elements, nbytes = self.run(path, method, batch, seq, dtype, count)
+                elements, nbytes = self.run(path, method, batch, seq, dtype, autocast)
             except PointTimeout:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure means: try the next path
@@ -618,27 +619,35 @@ class ModelCounter:
             return Measurement(elements, nbytes, path, seconds=time.perf_counter() - start)
         return Measurement(status="error", reason="; ".join(errors), seconds=time.perf_counter() - start)
 
-    def run(self, path: str, method: str, batch: int, seq: int, dtype: str, count):
+    def run(self, path: str, method: str, batch: int, seq: int, dtype: str, autocast: bool):
+        """(elements, bytes) of one forward on `path`; bytes is None for the hook method."""
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         ids = self.input_ids(method, batch, seq)
         if path == "cpu":
-            if count_needs_autocast(count):
+            if autocast:
                 raise RuntimeError("amp-bf16 is not counted on the CPU path (casts of zero weights would be free)")
             likely = 8 * (self.elements_per_token or 2e6) * batch * seq
             if likely > CPU_FORWARD_MAX_BYTES:
                 raise RuntimeError(f"a CPU forward would hold about {likely / 2**30:.0f} GiB of activations")
             model = self.model(dtype, "cpu")
             with sdpa_kernel(SDPBackend.MATH), _DispatchModes.zero_weight_retry():
-                return count(model, ids)
+                return self.count(method, model, ids, autocast)
         model = self.model(dtype)
-        mode = _DispatchModes.meta(track_values=path == "meta-fallback")
+        mode = _DispatchModes.meta(path == "meta-fallback", self.shape_cache)
         meta_ids = torch.empty(ids.shape, dtype=ids.dtype, device="meta")
         if path == "meta-fallback":
             mode.track(meta_ids, ids)
         with mode:
-            return count(model, meta_ids)
+            return self.count(method, model, meta_ids, autocast)
+
+    @staticmethod
+    def count(method: str, model, ids, autocast: bool):
+        if method == "hook":
+            return hook_elements(model, ids), None
+        nbytes, elements = saved_storages(model, ids, autocast)
+        return elements, nbytes
 
     def input_ids(self, method: str, batch: int, seq: int):
         """The blog's zeros for the hook method; ids uniform over the vocabulary for the training step."""
@@ -650,8 +659,18 @@ class ModelCounter:
         return torch.randint(0, self.vocab_size, (batch, seq), generator=generator)
 
 
-def count_needs_autocast(count) -> bool:
-    return getattr(count, "autocast", False)
+def build_uninitialised(config, device: str, dtype: str):
+    """pipeline.configs.build_model without initialising the weights (their values never matter
+    here; on meta this builds 2-5x faster), then tied as transformers' init_weights would tie them."""
+    import torch
+    from transformers.initialization import no_init_weights
+
+    from pipeline.configs import build_model
+
+    with no_init_weights():
+        model = build_model(config, device=device, dtype=getattr(torch, dtype))
+    model.tie_weights(recompute_mapping=False)
+    return model
 
 
 def zero_weight_model(config, dtype: str):
@@ -661,12 +680,8 @@ def zero_weight_model(config, dtype: str):
     replaced by a zero expanded to its shape; tied weights stay tied.
     """
     import torch
-    from transformers.initialization import no_init_weights
 
-    from pipeline.configs import build_model
-
-    with no_init_weights():
-        model = build_model(config, device="cpu", dtype=getattr(torch, dtype))
+    model = build_uninitialised(config, "cpu", dtype)
     zeros = {}
     for module in model.modules():
         for name, param in module._parameters.items():
@@ -732,6 +747,7 @@ MODEL_COLUMNS = (
     "embedding_parameters", "non_embedding_parameters", "active_parameters", "is_moe", "num_experts",
     "num_experts_per_tok", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "context_length", "tie_word_embeddings", "attention_kind",
+    "seconds",  # to count the model, building included
 )
 ACTIVATION_COLUMNS = (
     "model_id", "family", "model_type", "parameters", "method", "dtype", "batch_size", "seq_len", "tokens",
@@ -745,33 +761,38 @@ class ModelJob:
     model_id: str
     family: str | None
     model_type: str | None
-    config: object | None  # transformers config; None when the configs stage skipped the model
+    config: object | None  # transformers config; None when there is none to count
     config_source: str | None = None
     config_revision: str | None = None
-    skip_reason: str | None = None
+    skip_reason: str | None = None  # the configs stage skipped the model
+    config_error: str | None = None  # the configs stage's config does not load
 
 
 def count_model(job: ModelJob, points: PointSet = POINT_SETS[DEFAULT_POINTS]):
     """(models row, activation rows) of one model; a failure becomes rows with status and reason."""
+    start = time.perf_counter()
     base = {"model_id": job.model_id, "family": job.family, "model_type": job.model_type,
             "config_source": job.config_source, "config_revision": job.config_revision}
     model_row = {**base, "status": "ok", "reason": None}
+    rows = []
     if job.config is None:
-        model_row.update(status="skipped", reason=job.skip_reason)
-        return model_row, []
-    try:
-        counter = ModelCounter(job.config)
-        model_row.update(architecture_facts(job.config))
-        counts = parameter_counts(counter.model("float32"), job.config)
-    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build: the model is an error row
-        model_row.update(status="error", reason=_one_line(exc))
-        return model_row, []
-    model_row.update({k: counts[k] for k in MODEL_COLUMNS if k in counts},
-                     is_moe=bool(counts["routed_expert_parameters"]))
-    base["parameters"] = counts["parameters"]
-    wanted = [("hook", "float32", b, s) for b, s in points.hook]
-    wanted += [("saved", p, b, s) for p in points.precisions for b, s in points.saved]
-    return model_row, measure_points(counter, base, wanted, model_row["context_length"])
+        model_row.update(status="error" if job.config_error else "skipped", reason=job.config_error or job.skip_reason)
+    else:
+        try:
+            counter = ModelCounter(job.config)
+            model_row.update(architecture_facts(job.config))
+            counts = parameter_counts(counter.model("float32"), job.config)
+        except Exception as exc:  # noqa: BLE001 - a config transformers cannot build: the model is an error row
+            model_row.update(status="error", reason=_one_line(exc))
+        else:
+            model_row.update({k: counts[k] for k in MODEL_COLUMNS if k in counts},
+                             is_moe=bool(counts["routed_expert_parameters"]))
+            base["parameters"] = counts["parameters"]
+            wanted = [("hook", "float32", b, s) for b, s in points.hook]
+            wanted += [("saved", p, b, s) for p in points.precisions for b, s in points.saved]
+            rows = measure_points(counter, base, wanted, model_row["context_length"])
+    model_row["seconds"] = round(time.perf_counter() - start, 3)
+    return model_row, rows
 
 
 def measure_points(counter: ModelCounter, base: dict, wanted: list, context: int | None) -> list[dict]:
@@ -857,7 +878,7 @@ def read_jobs(registry_path, configs_path) -> list[ModelJob]:
             try:
                 job.config = config_from_dict(record["config"], entry.id)
             except UserError as exc:
-                job.skip_reason = str(exc)
+                job.config_error = f"the configs stage's config does not load: {exc}"
         jobs.append(job)
     return jobs
 
@@ -882,7 +903,7 @@ def _init_worker():
 
 
 def count_all(jobs: list[ModelJob], workers: int = 2, points: PointSet = POINT_SETS[DEFAULT_POINTS],
-              progress=sys.stderr):
+              progress=None):
     """models and activations DataFrames for `jobs`; progress (done / total, elapsed) on `progress`."""
     import multiprocessing
 
@@ -891,6 +912,8 @@ def count_all(jobs: list[ModelJob], workers: int = 2, points: PointSet = POINT_S
     from pipeline.provenance import provenance
 
     _quiet_transformers()
+    gc.freeze()  # the imports' objects: out of every later collection, and shared copy-on-write by the workers
+    progress = progress or sys.stderr
     _WORK.update(jobs=jobs, points=points)
     start = time.perf_counter()
     results = [None] * len(jobs)
@@ -997,7 +1020,7 @@ def count(model: str | None = None, config: str | None = None, dtype: str = "flo
         "config_revision": resolved.revision,
     }
     if batch is not None:
-        saved = counter.saved(batch, seq, dtype if dtype in PRECISIONS else "float32")
+        saved = counter.saved(batch, seq, dtype)
         result.update(batch_size=batch, seq_len=seq, saved_forward=saved.forward,
                       saved_bytes=saved.bytes, saved_bytes_per_token=saved.bytes / (batch * seq) if saved.bytes else None)
         if saved.status != "ok":

@@ -24,6 +24,7 @@ class ResolvedConfig:
     config: object  # transformers.PretrainedConfig
     source: str  # "hub", "embedded" or "file"
     revision: str | None = None
+    facts: dict | None = None  # the config.json facts it was built from
 
 
 def config_from_dict(facts: dict, label: str = "config") -> object:
@@ -59,7 +60,7 @@ def config_from_file(path: str | Path) -> ResolvedConfig:
     if not isinstance(facts, dict):
         raise UserError(f"{path}: not a JSON object")
     name = facts.get("_name_or_path") or path.stem
-    return ResolvedConfig(model_id=str(name), config=config_from_dict(facts, str(path)), source="file")
+    return ResolvedConfig(model_id=str(name), config=config_from_dict(facts, str(path)), source="file", facts=facts)
 
 
 def hub_is_offline() -> bool:
@@ -87,19 +88,20 @@ def resolve_config(entry: ModelEntry, mode: str = "auto", allow_remote_code: boo
     if mode == "hub" or (mode == "auto" and not hub_is_offline()):
         try:
             facts, commit = download_config(entry.id, entry.revision)
-            return ResolvedConfig(entry.id, config_from_dict(facts, entry.id), "hub", commit)
+            return ResolvedConfig(entry.id, config_from_dict(facts, entry.id), "hub", commit, facts)
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - any Hub failure means: use the embedded facts
             if mode == "hub":
                 raise UserError(f"{entry.id}: config.json could not be downloaded ({type(exc).__name__})") from None
-    return ResolvedConfig(entry.id, config_from_dict(entry.config, entry.id), "embedded", entry.revision)
+    return ResolvedConfig(entry.id, config_from_dict(entry.config, entry.id), "embedded", entry.revision,
+                          dict(entry.config))
 
 
 def context_length(config) -> int | None:
     """The longest position the model takes (None when it has no limit, e.g. state-space models)."""
     text = getattr(config, "get_text_config", lambda: config)()
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len", "seq_length", "n_ctx"):
         value = getattr(text, name, None)
         if isinstance(value, int) and value > 0:
             return value
@@ -131,6 +133,8 @@ def resolve_model(model_id: str | None = None, config_path: str | None = None, m
         raise UserError("give exactly one of --model and --config")
     if config_path:
         return config_from_file(config_path)
+    if mode == "auto" and not hub_is_offline() and not hub_reachable():
+        mode = "embedded"  # one quick probe rather than a download's retries (~30 s) on an offline machine
     entries = {e.id: e for e in load_registry(registry_path or DEFAULT_REGISTRY, check_model_types=False)}
     if model_id in entries:
         return resolve_config(entries[model_id], mode, allow_remote_code)
@@ -140,7 +144,7 @@ def resolve_model(model_id: str | None = None, config_path: str | None = None, m
         facts, commit = download_config(model_id)
     except Exception as exc:  # noqa: BLE001
         raise UserError(f"{model_id}: config.json could not be downloaded ({type(exc).__name__})") from None
-    return ResolvedConfig(model_id, config_from_dict(facts, model_id), "hub", commit)
+    return ResolvedConfig(model_id, config_from_dict(facts, model_id), "hub", commit, facts)
 
 
 def write_configs(registry_path, out_path, mode: str = "auto", allow_remote_code: bool = False) -> dict:
@@ -160,7 +164,7 @@ def write_configs(registry_path, out_path, mode: str = "auto", allow_remote_code
         try:
             rc = resolve_config(entry, mode, allow_remote_code)
             record.update(status="ok", reason=None, config_source=rc.source, config_revision=rc.revision,
-                          config=rc.config.to_dict())
+                          config=rc.facts)
         except UserError as exc:
             record.update(status="skipped", reason=str(exc), config_source=None, config_revision=None, config=None)
         resolved[entry.id] = record
@@ -186,7 +190,7 @@ def load_configs(path) -> dict[str, ResolvedConfig]:
     records = json.loads(Path(path).read_text())
     return {
         model_id: ResolvedConfig(model_id, config_from_dict(r["config"], model_id), r["config_source"],
-                                 r["config_revision"])
+                                 r["config_revision"], r["config"])
         for model_id, r in records.items() if r["status"] == "ok"
     }
 

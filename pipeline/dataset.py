@@ -88,13 +88,28 @@ COLUMNS = {
     "peak_allocated_bytes": ("bytes", "torch.cuda.max_memory_allocated() over three training steps, "
                                       "counter reset after the model was built"),
     "peak_reserved_bytes": ("bytes", "torch.cuda.max_memory_reserved() over the same steps"),
-    "weights_bytes": ("bytes", "memory allocated by the weights after building the model"),
+    "weights_bytes": ("bytes", "memory allocated right after building the model (weights and buffers)"),
     "optimizer_state_bytes": ("bytes", "memory of the AdamW state after the steps"),
-    "forward_peak_bytes": ("bytes", "peak allocated during the forward of the last step"),
-    "backward_peak_bytes": ("bytes", "peak allocated during the backward of the last step"),
-    "optimizer_peak_bytes": ("bytes", "peak allocated during the optimizer step of the last step"),
-    "nvml_used_bytes": ("bytes", "GPU memory in use by the process as NVML reports it (includes the CUDA context)"),
+    "forward_peak_bytes": ("bytes", "peak allocated during the forwards (max over the steps)"),
+    "backward_peak_bytes": ("bytes", "peak allocated during the backwards (max over the steps)"),
+    "optimizer_peak_bytes": ("bytes", "peak allocated during the optimizer steps (max over the steps)"),
+    "nvml_used_bytes": ("bytes", "GPU memory of this process as NVML reports it, CUDA context included "
+                                 "(empty where NVML cannot see the process)"),
+    "nvml_device_used_bytes": ("bytes", "GPU memory in use on the whole device as NVML reports it"),
     "step_seconds": ("s", "wall time of one training step (median of the steps)"),
+    "steps": ("count", "training steps run at the point (three)"),
+    "steps_seconds_total": ("s", "wall time of all the steps"),
+    "step_flops": ("FLOPs", "6 x parameters x B x L: the compute estimate the sweep's budget uses"),
+    "allocated_before_bytes": ("bytes", "memory allocated before the point's first step (a leak would show here)"),
+    "measure_device": ("", "device type of the measurement: cuda (real peaks) or cpu (debug, no peaks)"),
+    "attn_implementation_used": ("", "attention implementation the built model really used"),
+    "train_mode": ("", "the model was in train mode (standard step) rather than eval (blog variant)"),
+    "use_cache": ("", "the forward used the KV cache (only the blog variant can)"),
+    "allow_tf32": ("", "fp32 matmuls ran on TF32 tensor cores (speed only; memory is the same)"),
+    "build_seconds": ("s", "wall time to build the model with random weights on the device"),
+    "started_at": ("s since epoch", "when the point started (Unix time)"),
+    "finished_at": ("s since epoch", "when the point finished (Unix time)"),
+    "child_pid": ("", "process id of the measuring child process (one process per model and precision)"),
     "tokens_per_second": ("tokens/s", "B x L / step_seconds"),
     "gpu_total_bytes": ("bytes", "total memory of the GPU"),
     "estimator": ("", "blog (the blog's formula and coefficients), heuristic (refit coefficients), "
@@ -138,6 +153,20 @@ for _split, _label in (("in_sample", "in sample"), ("kfold", "shuffled k-fold cr
         f"{_split}_max_abs_percentage_error": ("fraction", f"worst absolute percentage error, {_label}"),
         f"{_split}_worst_model_id": ("", f"model with the worst error, {_label}"),
     })
+
+# The simulated subset (python -m pipeline simulate-peaks): the exact simulator at each measured point.
+COLUMNS.update({
+    "simulated_peak_bytes": ("bytes", "peak of the standard training step predicted by the simulator"),
+    "simulated_forward_peak_bytes": ("bytes", "simulated peak during the forward"),
+    "simulated_backward_peak_bytes": ("bytes", "simulated peak during the backward"),
+    "simulated_optimizer_peak_bytes": ("bytes", "simulated peak during the optimizer step"),
+    "simulated_saved_bytes": ("bytes", "bytes saved for backward in the simulated forward"),
+    "simulated_optimizer_state_bytes": ("bytes", "simulated optimizer state"),
+    "simulated_peak_phase": ("", "phase of the step where the simulated peak happens"),
+    "simulate_status": ("", "ok, or why the simulator has no number (error, skipped)"),
+    "simulate_reason": ("", "why the simulation is not ok (empty when ok)"),
+    "simulate_seconds": ("s", "wall time of the simulation"),
+})
 
 # Same column name, different meaning in one subset: (subset, column) -> (unit, meaning).
 SUBSET_COLUMNS: dict[tuple[str, str], tuple[str, str]] = {
@@ -243,7 +272,7 @@ def failures(tables: dict):
         bad = frame[frame["status"] != "ok"] if subset == "models" else frame[frame["status"] == "error"]
         if len(bad):
             part = bad[["model_id", "status"]].assign(subset=subset, reason=bad["reason"] if "reason" in bad else None)
-            parts.append(part.drop_duplicates(["model_id", "status", "reason"]))
+            parts.append(part.drop_duplicates(["model_id", "status"]))  # one line per model: its first reason
     columns = ["subset", "model_id", "status", "reason"]
     if not parts:
         return pd.DataFrame(columns=columns)
@@ -259,8 +288,9 @@ def failure_report(results_dir="results") -> list[str]:
     return [failure_line(row) for row in frame.itertuples()]
 
 
-def failure_line(row) -> str:
-    return f"{row.subset}: {row.model_id}: {row.status}: {row.reason}"
+def failure_line(row, width: int = 240) -> str:
+    line = f"{row.subset}: {row.model_id}: {row.status}: {row.reason}"
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 def build_dataset(results_dir="results", out_dir="results/dataset", repo: str = DEFAULT_REPO,

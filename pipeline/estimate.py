@@ -1,18 +1,20 @@
 """Stage: estimate the peak memory of a training step (blog / heuristic / exact).
 
-All three share the blog's structure (bytes):
+The blog's structure (bytes):
 
     peak = parameters + optimizer_state + max(gradients + optimizer_intermediates, activations)
 
 - `blog`: the blog's formula and coefficients exactly as published: every term N*P with P the
   bytes of the precision, AdamW state 2*N*P, and activations A*B*L*P with A = 4.6894e-4*N + 1.8494e6.
   Its flaws are kept on purpose and listed in `BLOG_NOTES` (and in the JSON's "notes").
-- `heuristic`: the same structure with our refit coefficients (results/coefficients.json) and
-  consistent units: A in activation ELEMENTS per token, times bytes per element of the precision,
+- `heuristic`: the same components with our refit coefficients (results/coefficients.json) and
+  consistent units, combined as the measured peaks show (`heuristic_peak`: gradients count in
+  both branches): A in activation ELEMENTS per token, times bytes per element of the precision,
   times an activations multiplier measured from the peak table; precision-aware components
   (amp-bf16: fp32 weights, gradients and AdamW state, bf16 activations plus the bf16 weight copies
-  autocast keeps for backward); SGD keeps one momentum buffer instead of two moments; gradient
-  checkpointing scales the B x L activations by a measured factor.
+  autocast keeps for backward); SGD keeps one momentum buffer instead of two moments and its step
+  needs no weight-sized temporaries; gradient checkpointing scales the B x L activations by a
+  measured factor.
 - `exact`: the simulator `pipeline.simulate.predict_peak` on the model's config.
 
 `max_batch_size` gives the largest batch that fits a GPU memory size at a sequence length.
@@ -37,6 +39,9 @@ DEFAULT_COEFFICIENTS = Path(__file__).resolve().parent.parent / "results" / "coe
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "amp-bf16": 4}
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "amp-bf16": 2}
 STATE_BUFFERS = {"adamw": 2, "sgd": 1}  # AdamW: two moments; SGD with momentum: one buffer
+# Temporaries of the optimizer step, in weights: the foreach AdamW step needs about one more copy of
+# the weights; the measured SGD (momentum) step peaks at weights + momentum + gradients + ~6%.
+INTERMEDIATE_BUFFERS = {"adamw": 1, "sgd": 0}
 # Under autocast every fp32 weight is cast to a bf16 copy that autograd keeps until backward: it
 # lives beside the activations (the saved-for-backward counts of amp-bf16 show it as ~2N bytes).
 AMP_WEIGHT_COPY_BYTES = {"amp-bf16": 2}
@@ -56,6 +61,10 @@ BLOG_NOTES = [
     "P is one precision for everything: mixed precision (fp32 weights and state, bf16 activations) is not "
     "covered; here amp-bf16 takes P = 4.",
     "Gradient checkpointing: activations divided by a constant 5, not measured.",
+    "The fit misses the post's own example: for Qwen2.5-1.5B it gives A = 2,573,309 bytes per token, "
+    "the hook count is 5,065,216.",
+    "Measured peaks (H200, standard step) are in the backward or the optimizer step, never in the forward; "
+    "in the backward the gradients and the activations are alive together, which the max() leaves out.",
 ]
 
 
@@ -76,7 +85,7 @@ def training_components(parameters, activation_elements_per_token, batch, seq, p
         "parameters": parameters * weight,
         "gradients": parameters * weight,
         "optimizer_state": STATE_BUFFERS[optimizer] * parameters * weight,
-        "optimizer_intermediates": parameters * weight,
+        "optimizer_intermediates": INTERMEDIATE_BUFFERS[optimizer] * parameters * weight,
         "activations": activations + AMP_WEIGHT_COPY_BYTES.get(precision, 0) * parameters,
     }
 
@@ -96,9 +105,26 @@ def blog_components(parameters, batch, seq, precision, optimizer="adamw", checkp
     }
 
 
-def peak_of(components: dict) -> float:
-    c = components
+PEAK_FORMULAS = {
+    "blog": "parameters + optimizer_state + max(gradients + optimizer_intermediates, activations)",
+    "heuristic": "parameters + optimizer_state + gradients + max(optimizer_intermediates, activations)",
+    "exact": "simulated peak; components are the live bytes by role at that moment",
+}
+
+
+def blog_peak(c: dict) -> float:
+    """The blog's total: weights + state + max(gradients + optimizer intermediates, activations)."""
     return c["parameters"] + c["optimizer_state"] + max(c["gradients"] + c["optimizer_intermediates"], c["activations"])
+
+
+def heuristic_peak(c: dict) -> float:
+    """weights + state + gradients + max(optimizer intermediates, activations).
+
+    The measured peaks are never in the forward: about half are in the optimizer step (weights +
+    state + gradients + intermediates, as the blog says), the others in the backward, where the
+    gradients pile up while the activations are still alive; so gradients count in both branches.
+    """
+    return c["parameters"] + c["optimizer_state"] + c["gradients"] + max(c["optimizer_intermediates"], c["activations"])
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -301,14 +327,14 @@ def estimate_target(target: Target, batch, seq, precision, optimizer, checkpoint
         from pipeline.fit import blog_a_bytes
 
         components = blog_components(n, batch, seq, precision, optimizer, checkpointing)
-        peak = peak_of(components)
+        peak = blog_peak(components)
         result.update(activations_per_token=blog_a_bytes(n),
                       activations_per_token_unit="fp32 bytes (as published; the formula multiplies by P again)",
                       bytes_per_parameter=BLOG_P[precision], notes=BLOG_NOTES)
     elif method == "heuristic":
         elements, multiplier, factor = heuristic_terms(coefficients, target, precision, checkpointing)
         components = training_components(n, elements, batch, seq, precision, optimizer, multiplier, factor)
-        peak = peak_of(components)
+        peak = heuristic_peak(components)
         result.update(activations_per_token=elements, activations_per_token_unit="elements",
                       bytes_per_activation_element=ACTIVATION_BYTES[precision], activation_multiplier=multiplier,
                       checkpointing_factor=factor if checkpointing else None,
@@ -317,14 +343,14 @@ def estimate_target(target: Target, batch, seq, precision, optimizer, checkpoint
                       notes=["activations = multiplier x A x B x L x bytes per element"
                              + (" x checkpointing factor" if checkpointing else "")
                              + (" + 2 x N bytes of bf16 weight copies" if precision in AMP_WEIGHT_COPY_BYTES else "")
-                             + ", A = a*N + b elements per token from the refit; optimizer intermediates keep "
-                               "the blog's N x bytes per weight."])
+                             + ", A = a*N + b elements per token from the refit (N: parameters active per token)."])
     else:
         peak, components = exact_peak(target.config, batch, seq, precision, optimizer, checkpointing,
                                       attn_implementation)
         result.update(activations_per_token=None, activations_per_token_unit=None,
                       notes=["simulated by pipeline.simulate.predict_peak"])
     result["components"] = components
+    result["peak_formula"] = PEAK_FORMULAS.get(method)
     result["peak_bytes"] = peak
     result["peak_gib"] = peak / GIB
     if memory_bytes is not None:
@@ -367,9 +393,13 @@ def largest_batch(target, seq, precision, optimizer, checkpointing, method, coef
     if not fits(1):
         return 0
     if method != "exact":
-        # peak(B) = static + max(G, k*B) with k = activations at B=1: B = (memory - static) // k, checked.
-        one = peak(1)["components"]
-        guess = max(1, int((memory_bytes - one["parameters"] - one["optimizer_state"]) // one["activations"]))
+        # activations(B) = fixed + k*B, and the rest of the peak does not depend on B: solve, then check.
+        one, two = peak(1)["components"], peak(2)["components"]
+        k = two["activations"] - one["activations"]
+        room = memory_bytes - one["parameters"] - one["optimizer_state"]
+        if method == "heuristic":
+            room -= one["gradients"]
+        guess = max(1, int((room - (one["activations"] - k)) // k))
         while fits(guess + 1):
             guess += 1
         while guess > 1 and not fits(guess):

@@ -282,17 +282,18 @@ def draw_peak_vs_tokens(results_dir: Path):
         return figure
     for ax, precision in zip(axes[0], precisions):
         part = rows[rows["precision"] == precision].assign(tokens=lambda f: f["batch_size"] * f["seq_len"])
-        for model_id in chosen:
-            model = part[part["model_id"] == model_id].sort_values(["tokens", "batch_size"])
-            if model.empty:
-                continue
-            ax.plot(model["tokens"], model["peak_allocated_bytes"] / GIB, marker="o", ms=3, lw=1,
-                    label=f"{model_id} ({model['parameters'].iloc[0] / 1e9:.2g}B)")
+        for colour, model_id in enumerate(chosen):
+            model = part[part["model_id"] == model_id]
+            for i, (batch, line) in enumerate(model.sort_values("seq_len").groupby("batch_size")):
+                # one line per batch size B, along L
+                label = f"{model_id} ({line['parameters'].iloc[0] / 1e9:.2g}B)" if i == 0 else None
+                ax.plot(line["tokens"], line["peak_allocated_bytes"] / GIB, marker="o", ms=3, lw=1,
+                        color=f"C{colour}", label=label)
         ax.set(xscale="log", yscale="log", xlabel="tokens per step B×L", ylabel="peak allocated (GiB)",
                title=precision)
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(fontsize=6)
-    figure.suptitle("Measured peak vs tokens per step (AdamW, no checkpointing)")
+    figure.suptitle("Measured peak vs tokens per step (AdamW, no checkpointing; one line per batch size)")
     return figure
 
 

@@ -86,14 +86,14 @@ def read_table(path, label: str):
         raise UserError(f"{path}: {label} table is not readable parquet ({type(exc).__name__})") from None
 
 
-def _require_columns(frame, columns, label: str) -> None:
+def require_columns(frame, columns, label: str) -> None:
     missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise UserError(f"{label}: column {missing[0]!r} missing")
 
 
 def ok_models(models):
-    _require_columns(models, ["model_id", "family", "status", "parameters", "non_embedding_parameters"], "models table")
+    require_columns(models, ["model_id", "family", "status", "parameters", "non_embedding_parameters"], "models table")
     columns = ["model_id", "family", "parameters", "non_embedding_parameters"]
     columns += [c for c in ("active_parameters",) if c in models.columns]  # per token, for MoE
     return models[models["status"] == "ok"][columns]
@@ -104,7 +104,7 @@ def hook_rows(models, activations):
 
     Hook elements do not depend on the dtype; when several dtypes were counted, float32 wins.
     """
-    _require_columns(activations, ["model_id", "method", "dtype", "batch_size", "seq_len", "status",
+    require_columns(activations, ["model_id", "method", "dtype", "batch_size", "seq_len", "status",
                                    "elements_per_token"], "activations table")
     hooks = activations[(activations["method"] == "hook") & (activations["status"] == "ok")
                         & (activations["batch_size"] == 1) & (activations["seq_len"] == 1)].copy()
@@ -120,7 +120,7 @@ def saved_rows(models, activations, precision: str):
     saved = activations[(activations["method"] == "saved") & (activations["status"] == "ok")].copy()
     saved["precision"] = saved["dtype"].map(PRECISION_OF_DTYPE)
     saved = saved[saved["precision"] == precision]
-    _require_columns(saved, ["bytes_per_token"], "activations table")
+    require_columns(saved, ["bytes_per_token"], "activations table")
     rows = ok_models(models).merge(
         saved[["model_id", "batch_size", "seq_len", "bytes_per_token"]], on="model_id")
     return rows.sort_values(["seq_len", "batch_size", "model_id"]).reset_index(drop=True)
@@ -335,7 +335,7 @@ def unit_mismatch_example(parameters: int = 1_543_714_304, batch: int = 16, seq:
 
 def peak_rows(peaks, checkpointing: bool):
     """ok rows of the standard training step, with or without gradient checkpointing."""
-    _require_columns(peaks, ["model_id", "family", "parameters", "precision", "optimizer", "gradient_checkpointing",
+    require_columns(peaks, ["model_id", "family", "parameters", "precision", "optimizer", "gradient_checkpointing",
                              "batch_size", "seq_len", "status", "peak_allocated_bytes"], "peak table")
     keep = (peaks["status"] == "ok") & peaks["peak_allocated_bytes"].notna()
     keep &= peaks["gradient_checkpointing"].fillna(False).astype(bool) == checkpointing
@@ -346,10 +346,11 @@ def peak_rows(peaks, checkpointing: bool):
 
 
 def _activation_ratios(rows, a: float, b: float, multipliers: dict | None = None, active: dict | None = None):
-    """Per row: (measured peak - modelled weights, state and amp weight copies) / modelled B x L activations.
+    """Per row: (measured peak - modelled weights, state, gradients and amp weight copies) / modelled B x L
+    activations.
 
-    Only rows where that remainder exceeds the modelled gradients + optimizer intermediates count:
-    there the activations branch of the max() is the one the measurement shows.
+    Only rows where the remainder exceeds the modelled optimizer intermediates count: there the
+    activations branch of the max() is the one the measurement shows.
     """
     from pipeline.estimate import training_components
 
@@ -362,8 +363,9 @@ def _activation_ratios(rows, a: float, b: float, multipliers: dict | None = None
         # the multiplier scales the B x L term only, not amp's weight copies (the part left at multiplier 0)
         fixed = training_components(row.parameters, elements, row.batch_size, row.seq_len, row.precision,
                                     row.optimizer, activation_multiplier=0.0)["activations"]
-        remainder = row.peak_allocated_bytes - parts["parameters"] - parts["optimizer_state"]
-        if remainder > parts["gradients"] + parts["optimizer_intermediates"]:
+        # the heuristic's peak: weights + state + gradients + max(intermediates, activations)
+        remainder = row.peak_allocated_bytes - parts["parameters"] - parts["optimizer_state"] - parts["gradients"]
+        if remainder > parts["optimizer_intermediates"]:
             ratios.append((row.precision, (remainder - fixed) / (parts["activations"] - fixed)))
     return ratios
 
@@ -372,7 +374,8 @@ def peak_constants(peaks, a: float, b: float, active: dict | None = None) -> dic
     """Empirical constants of the heuristic estimator, measured from the peak table.
 
     - activation multiplier per precision: median over activation-dominated ok rows (no
-      checkpointing) of (peak - weights - optimizer state) / (A(N) * B * L * bytes per element);
+      checkpointing) of (peak - weights - optimizer state - gradients [- amp weight copies]) /
+      (A(N) * B * L * bytes per element);
       a precision without such rows takes the median over all rows; none at all -> 1.0.
     - checkpointing factor: the same ratio on gradient-checkpointing rows, divided by the
       multiplier (activation memory with checkpointing / without); None when not measured.
@@ -399,23 +402,27 @@ def peak_constants(peaks, a: float, b: float, active: dict | None = None) -> dic
         "value": float(np.median(checkpoint_ratios)) if checkpoint_ratios else None,
         "n_points": len(checkpoint_ratios),
         "how": "median over activation-dominated gradient-checkpointing ok rows of (peak - weights - optimizer "
-               "state) / (multiplier x A(N) x B x L x bytes per element)" if checkpoint_ratios else "not measured",
+               "state - gradients [- amp weight copies]) / (multiplier x A(N) x B x L x bytes per element)"
+               if checkpoint_ratios else "not measured",
     }
     return {"activation_multiplier": multipliers, "checkpointing_factor": checkpointing}
 
 
 def estimator_structure() -> dict:
     """How the heuristic estimator combines the fit and the constants, so that the file stands alone."""
-    from pipeline.estimate import ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, STATE_BUFFERS, WEIGHT_BYTES
+    from pipeline.estimate import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, INTERMEDIATE_BUFFERS, STATE_BUFFERS,
+                                   WEIGHT_BYTES)
 
     return {
-        "formula": "peak = weights + optimizer_state + max(gradients + optimizer_intermediates, activations); "
-                   "weights = gradients = optimizer_intermediates = N_total x bytes_per_parameter; "
+        "formula": "peak = weights + optimizer_state + gradients + max(optimizer_intermediates, activations); "
+                   "weights = gradients = N_total x bytes_per_parameter; "
                    "optimizer_state = optimizer_state_buffers x N_total x bytes_per_parameter; "
+                   "optimizer_intermediates = optimizer_intermediate_buffers x N_total x bytes_per_parameter; "
                    "activations = activation_multiplier x (a x N + b) x B x L x bytes_per_activation_element "
                    "[x checkpointing_factor] + weight_copy_bytes_per_parameter x N_total",
         "bytes_per_parameter": dict(WEIGHT_BYTES),
         "optimizer_state_buffers": dict(STATE_BUFFERS),
+        "optimizer_intermediate_buffers": dict(INTERMEDIATE_BUFFERS),
         "bytes_per_activation_element": dict(ACTIVATION_BYTES),
         "weight_copy_bytes_per_parameter": {p: AMP_WEIGHT_COPY_BYTES.get(p, 0) for p in PRECISIONS},
     }

@@ -118,8 +118,8 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     """
     import torch
 
-    from pipeline.simulate_rules import (CUBLAS_WORKSPACES, UniformValues, make_kernel_rules, scalar_stand_ins,
-                                         workspace_rules)
+    from pipeline.simulate_rules import (CUBLAS_WORKSPACES, UniformValues, host_outputs, make_kernel_rules,
+                                         scalar_stand_ins, workspace_rules)
     from pipeline.simulate_tracker import allocated_bytes, make_tracker
 
     rules = make_kernel_rules(device_type, sdpa=cuda_rules)
@@ -128,7 +128,7 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     meta = device_type == "meta"
     tracker = make_tracker(device_type, workspace_rules() if cuda_rules else None,
                            scalar_stand_ins() if meta else None, UniformValues() if meta else None,
-                           CachingAllocator() if blocks else None)
+                           CachingAllocator() if blocks else None, host_outputs() if cuda_rules else None)
     _apply_setting(model, variant, gradient_checkpointing, rules)
     params = list(model.parameters())
     for tensor in params + list(model.buffers()):
@@ -165,8 +165,12 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
             hook.remove()
         model.zero_grad(set_to_none=True)
     state_bytes = tracker.bytes_of(state)
+    state_raw_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in state
+                           if tracker.bytes_of([t])}.values())  # not AdamW's step counters (host scalars)
     loss_bytes = allocated_bytes(loss.untyped_storage().nbytes()) if loss.device.type == device_type else 0
-    return _summarise(tracker.peaks, step1, state_bytes, loss_bytes, saved_bytes)
+    result = _summarise(tracker.peaks, step1, state_bytes, loss_bytes, saved_bytes)
+    result["optimizer_state_bytes"] = state_raw_bytes  # as pipeline.memory reports it: storage bytes
+    return result
 
 
 def _summarise(peaks, optimizer_step1, state_bytes, loss_bytes, saved_bytes) -> dict:
@@ -283,6 +287,7 @@ def add_cli(subparsers) -> None:
     stage.add_argument("--peaks", default="results/peak_memory.parquet")
     stage.add_argument("--configs", default="results/configs.json")
     stage.add_argument("--out", default="results/simulated.parquet")
+    stage.add_argument("--workers", type=positive_int, default=1, help="processes (models are spread over them)")
     stage.set_defaults(handler=_simulate_peaks_command)
 
 
@@ -314,7 +319,7 @@ def _resolve(model_id, config_path, configs_path):
 
 
 def _simulate_peaks_command(args) -> int:
-    frame = simulate_peaks(args.peaks, args.configs, args.out)
+    frame = simulate_peaks(args.peaks, args.configs, args.out, args.workers)
     counts = frame["simulate_status"].value_counts().to_dict()
     print(f"simulate-peaks: {len(frame)} points -> {args.out} ({', '.join(f'{k}: {v}' for k, v in counts.items())})")
     return 0
@@ -325,8 +330,12 @@ SIMULATED_COLUMNS = ("simulated_peak_bytes", "simulated_forward_peak_bytes", "si
                      "simulated_peak_phase", "simulate_status", "simulate_reason", "simulate_seconds")
 
 
-def simulate_peaks(peaks_path, configs_path, out_path):
-    """The simulator's prediction for every measured point (ok and oom rows), in one process."""
+def simulate_peaks(peaks_path, configs_path, out_path, workers: int = 1):
+    """The simulator's prediction for every measured point (ok and oom rows).
+
+    Points of one model and precision run in one process (its meta model is built once);
+    `workers` > 1 spreads the models over that many forked processes.
+    """
     import pandas as pd
 
     from pipeline.io import write_parquet
@@ -341,7 +350,9 @@ def simulate_peaks(peaks_path, configs_path, out_path):
         raise UserError(f"{peaks_path}: missing columns {', '.join(missing)}")
     points = peaks[peaks["status"].isin(["ok", "oom"])][keys].drop_duplicates()
     points = points.sort_values(["model_id", "precision", "attn_implementation"])
-    rows = [dict(point, **_simulate_row(point, configs)) for point in points.to_dict("records")]
+    groups = [group.to_dict("records") for _, group in points.groupby("model_id", sort=False)]
+    rows = [row for chunk in _map(functools.partial(_simulate_rows, configs=configs), groups, workers)
+            for row in chunk]
     frame = pd.DataFrame(rows, columns=keys + list(SIMULATED_COLUMNS))
     for column, value in provenance(include_device=False).items():
         frame[column] = value
@@ -349,6 +360,19 @@ def simulate_peaks(peaks_path, configs_path, out_path):
     frame["config_revision"] = frame["model_id"].map(lambda m: configs.get(m, {}).get("config_revision"))
     write_parquet(frame, out_path)
     return frame
+
+
+def _simulate_rows(points: list[dict], configs: dict) -> list[dict]:
+    return [dict(point, **_simulate_row(point, configs)) for point in points]
+
+
+def _map(function, items: list, workers: int) -> list:
+    if workers <= 1 or len(items) <= 1:
+        return [function(item) for item in items]
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(min(workers, len(items))) as pool:
+        return pool.map(function, items, chunksize=1)
 
 
 def _read_table(path):

@@ -27,9 +27,11 @@ SDPA_RULES = {
     "efficient_supports_gqa": False,  # True: mem-efficient takes k/v with fewer heads than q
 }
 # cuBLAS workspaces, allocated through the caching allocator on the first matmul of each thread
-# (the forward's and the autograd engine's) and kept: the sweep measures each point after
-# earlier ones in the same process, so they are there from the start.
-CUBLAS_WORKSPACES = ()
+# (the forward's and the autograd engine's: 32 MiB each on sm90) plus 1 MiB (cuBLASLt), and kept:
+# the sweep measures each point after earlier ones in the same process, so they are there from
+# the start. Measured: pythia-14m's peaks exceed the simulation by 65 MiB in every phase, at
+# every (B, L) and precision.
+CUBLAS_WORKSPACES = (32 << 20, 32 << 20, 1 << 20)
 
 # CUDA autocast op lists (aten/src/ATen/autocast_mode.h), by the Python name that reaches a
 # TorchFunctionMode (aten name, or the Tensor dunder / torch.nn.functional name for the same op).
@@ -185,7 +187,7 @@ def _flash_backward_workspace(args, kwargs, out):
     sizes = [batch * heads * seq_q_rounded * 4,
              batch * seq_q_rounded * heads * _round_up(head_dim, 32) * 4]
     if kv_heads != heads:
-        sizes += [2 * batch * seq_k * heads * head_dim * query.element_size()] * 1
+        sizes += [batch * seq_k * heads * head_dim * query.element_size()] * 2
     return sizes
 
 
@@ -199,6 +201,13 @@ def _efficient_backward_workspace(args, kwargs, out):
     return sizes
 
 
+def _cudnn_backward_workspace(args, kwargs, out):
+    """cuDNN attention backward (a guess until measured): dQ accumulated in fp32 and the row sums."""
+    query = args[1]
+    batch, heads, seq_q, head_dim = query.shape
+    return [batch * heads * seq_q * 4, batch * heads * seq_q * head_dim * 4]
+
+
 def _embedding_backward_workspace(args, kwargs, out):
     """CUDA embedding_dense_backward: up to 3072 indices a direct kernel; beyond, a sort of the
     indices (sorted, original, their range, segment offsets, partial counts: int64 each) and the
@@ -210,6 +219,26 @@ def _embedding_backward_workspace(args, kwargs, out):
     return [tokens * 8] * 6 + [tokens * grad.shape[-1] * 4]
 
 
+def host_outputs() -> dict:
+    """Outputs that the meta kernel makes but CUDA keeps on the host (not counted): the attention
+    kernels' RNG seed and offset when there is no dropout ({op: fn(args, kwargs) -> indices})."""
+    import torch
+
+    aten = torch.ops.aten
+
+    def rng_outputs(dropout_position, indices):
+        def which(args, kwargs):
+            dropout = args[dropout_position] if len(args) > dropout_position else kwargs.get("dropout_p", 0.0)
+            return indices if not dropout else ()
+        return which
+
+    return {
+        aten._scaled_dot_product_flash_attention.default: rng_outputs(3, (6, 7)),
+        aten._scaled_dot_product_efficient_attention.default: rng_outputs(5, (2, 3)),
+        aten._scaled_dot_product_cudnn_attention.default: rng_outputs(5, (6, 7)),
+    }
+
+
 def workspace_rules() -> dict:
     import torch
 
@@ -217,6 +246,7 @@ def workspace_rules() -> dict:
     return {
         aten._scaled_dot_product_flash_attention_backward.default: _flash_backward_workspace,
         aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward_workspace,
+        aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward_workspace,
         aten.embedding_dense_backward.default: _embedding_backward_workspace,
     }
 

@@ -155,10 +155,11 @@ def _tracker_class():
 
     class LiveBytesTracker(TorchDispatchMode):
         def __init__(self, device_type: str, workspace_rules: dict | None = None, stand_ins: dict | None = None,
-                     observer=None, allocator=None):
+                     observer=None, allocator=None, host_outputs=None):
             super().__init__()
             self.observer = observer
             self.allocator = allocator
+            self.host_outputs = host_outputs or {}
             self.device_type = device_type
             self.workspace_rules = workspace_rules or {}
             self.stand_ins = stand_ins or {}
@@ -275,8 +276,9 @@ def _tracker_class():
             if func in self.untracked_ops:
                 return out
             outputs = out if isinstance(out, (tuple, list)) else (out,)
-            for t in outputs:
-                if hasattr(t, "untyped_storage"):
+            skip = self.host_outputs[func](args, kwargs) if func in self.host_outputs else ()
+            for index, t in enumerate(outputs):
+                if hasattr(t, "untyped_storage") and index not in skip:
                     self.track(t)
             rule = self.workspace_rules.get(func)
             extra = sum(allocated_bytes(n) for n in rule(args, kwargs, out)) if rule else 0
@@ -287,12 +289,13 @@ def _tracker_class():
 
 
 def make_tracker(device_type: str, workspace_rules: dict | None = None, stand_ins: dict | None = None,
-                 observer=None, allocator=None):
+                 observer=None, allocator=None, host_outputs: dict | None = None):
     """A LiveBytesTracker (the class needs torch, which is imported only here).
 
     `stand_ins` replaces ops ({aten overload: fn(func, args, kwargs) -> out}), e.g. to answer
     data-dependent questions (`.item()`) that the meta device cannot; `observer(func, args, kwargs,
     out)` sees every op; `allocator` (a simulate_allocator.CachingAllocator) counts blocks the way
-    the CUDA caching allocator does instead of requests rounded to 512 bytes.
+    the CUDA caching allocator does instead of requests rounded to 512 bytes; `host_outputs`
+    ({op: fn(args, kwargs) -> output indices}) names outputs that CUDA keeps on the host.
     """
-    return _tracker_class()(device_type, workspace_rules, stand_ins, observer, allocator)
+    return _tracker_class()(device_type, workspace_rules, stand_ins, observer, allocator, host_outputs)

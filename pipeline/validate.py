@@ -15,6 +15,7 @@ measured GPU's total memory. `summarize` makes the markdown and JSON summary.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipeline.errors import UserError
@@ -26,9 +27,9 @@ KEY_COLUMNS = ["model_id", "model_type", "family", "parameters", "precision", "o
 
 def measured_rows(peaks):
     """ok and oom rows of the standard step (the estimators model nothing else)."""
-    from pipeline.fit import _require_columns
+    from pipeline.fit import require_columns
 
-    _require_columns(peaks, ["model_id", "family", "parameters", "precision", "optimizer", "gradient_checkpointing",
+    require_columns(peaks, ["model_id", "family", "parameters", "precision", "optimizer", "gradient_checkpointing",
                              "batch_size", "seq_len", "status", "peak_allocated_bytes", "gpu_total_bytes"],
                      "peak table")
     measured = (peaks["status"] == "oom") | ((peaks["status"] == "ok") & peaks["peak_allocated_bytes"].notna())
@@ -68,13 +69,25 @@ def refit_without_family(coefficients: dict, peaks, family: str) -> dict | None:
 
 
 class ExactCache:
-    """The simulator's answers, one call per configuration; configs read once per model."""
+    """The simulator's answers, one call per configuration; each model's config built once, when needed."""
 
     def __init__(self, configs_path):
-        from pipeline.configs import load_configs
-
-        self.configs = load_configs(configs_path)
+        try:
+            self.records = json.loads(Path(configs_path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UserError(f"{configs_path}: not a readable configs file ({type(exc).__name__})") from None
+        self.configs = {}
         self.answers = {}
+
+    def config(self, model_id: str):
+        from pipeline.configs import config_from_dict
+
+        if model_id not in self.configs:
+            record = self.records.get(model_id) or {}
+            if record.get("status") != "ok":
+                raise UserError(f"{model_id}: no ok config in the configs file")
+            self.configs[model_id] = config_from_dict(record["config"], model_id)
+        return self.configs[model_id]
 
     def peak(self, row) -> float:
         from pipeline.estimate import exact_peak
@@ -83,9 +96,7 @@ class ExactCache:
         key = (row.model_id, int(row.batch_size), int(row.seq_len), row.precision, row.optimizer,
                bool(row.gradient_checkpointing), attn)
         if key not in self.answers:
-            if row.model_id not in self.configs:
-                raise UserError(f"{row.model_id}: no ok config in the configs file")
-            self.answers[key] = exact_peak(self.configs[row.model_id].config, *key[1:])[0]
+            self.answers[key] = exact_peak(self.config(row.model_id), *key[1:])[0]
         return self.answers[key]
 
 

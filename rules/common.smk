@@ -17,7 +17,14 @@ from pipeline.registry import SCHEMA_PATH as REGISTRY_SCHEMA
 from pipeline.registry import safe_name, validate_registry_data
 
 
+# `--config publish=true` arrives as the string "true" (Snakemake only reads True/False as booleans).
+for key in ("validate_exact", "simulate", "publish"):
+    if str(config.get(key)).lower() in ("true", "false"):
+        config[key] = str(config[key]).lower() == "true"
+
 validate(config, "../config/config.schema.json")
+if config["publish"] and config["publish_repo"].startswith("OWNER/"):
+    raise WorkflowError("publish=True needs publish_repo=OWNER/NAME set to your dataset repo")
 
 
 def load_registry_file(path):
@@ -49,6 +56,7 @@ PEAKS = "results/peak_memory.parquet"
 COEFFICIENTS = "results/coefficients.json"
 VALIDATION = "results/validation.parquet"
 VALIDATION_SUMMARY = "results/validation_summary.md"
+SIMULATED = "results/simulated.parquet"
 DATASET_CARD = "results/dataset/README.md"
 PUBLISH_MANIFEST = "results/publish.json"
 
@@ -99,12 +107,16 @@ def measured_models(wildcards):
     return [
         f"results/peak_memory_parts/{safe_name(model)}.parquet"
         for model in plan_models()
-        if model in ok
+        if model in ok and safe_name(model) in MODEL_IDS
     ]
 
 
 def peak_inputs(wildcards):
     return {"peaks": PEAKS} if HAVE_PEAKS else {}
+
+
+def simulated_inputs(wildcards):
+    return {"simulated": SIMULATED} if HAVE_PEAKS and config["simulate"] else {}
 
 
 def available_results():

@@ -39,3 +39,20 @@ rule validate:
         "python -m pipeline validate --peaks {input.peaks:q} --coefficients {input.coefficients:q}"
         " --configs {input.configs:q} --out {output.validation:q} --summary {output.summary:q}"
         " {params.exact} > {log:q} 2>&1"
+
+
+rule simulate:
+    input:
+        peaks=PEAKS,
+        configs=CONFIGS,
+    output:
+        simulated=SIMULATED,
+    log:
+        "logs/simulate.log",
+    conda:
+        "../envs/pipeline.yaml"
+    benchmark:
+        "logs/benchmarks/simulate.tsv"
+    shell:
+        "python -m pipeline simulate-peaks --peaks {input.peaks:q} --configs {input.configs:q}"
+        " --out {output.simulated:q} > {log:q} 2>&1"

@@ -30,6 +30,7 @@ rule figures:
 rule dataset:
     input:
         unpack(peak_inputs),
+        unpack(simulated_inputs),
         models=MODELS,
         activations=ACTIVATIONS,
         coefficients=COEFFICIENTS,

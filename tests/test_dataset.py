@@ -20,6 +20,8 @@ COMMITTED_PEAKS = REPO / "results" / "peak_memory.parquet"
 # The quickest models to count, of two families: enough for a fit with leave-one-family-out.
 MODELS = ("EleutherAI/pythia-14m", "EleutherAI/pythia-70m", "distilbert/distilgpt2", "openai-community/gpt2")
 FAKE_TOKEN = "hf_ThisIsAFakeTokenThatMustNeverBePrinted42"
+# The real stages (configs, activations, fit, validate, figures) run once for the session: ~1-2 min.
+pytestmark = pytest.mark.slow
 
 
 def pipeline(*args, cwd, env=None, check=True):

@@ -12,6 +12,8 @@ import pytest
 from test_dataset import COMMITTED_PEAKS, pipeline, stage_results
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# The real stages (configs, activations, fit, validate, figures) run once for the session: ~1-2 min.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

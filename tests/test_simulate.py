@@ -75,29 +75,25 @@ def test_meta_simulation_equals_real_cpu_step_for_sdpa_math_kernel():
 
 
 def test_pythia_14m_components_at_the_optimizer_peak():
-    """pythia-14m (real config) in fp32 with AdamW peaks in the optimizer step of step 1 or 2, with
-    weights, grads, both moments and one intermediate per parameter alive: each 4 bytes per
-    parameter, rounded per tensor to 512 bytes like the CUDA allocator."""
-    import torch
-
+    """pythia-14m (real config) in fp32 with AdamW at a short sequence peaks in the optimizer step,
+    with weights, grads, both moments and one AdamW intermediate per parameter alive (4 bytes per
+    parameter each, counted in caching-allocator blocks, which are at least the bytes asked for)."""
     from pipeline.configs import config_from_dict
     from pipeline.memory import build
     from pipeline.simulate import predict_peak
-    from pipeline.simulate_tracker import allocated_bytes
+    from pipeline.simulate_rules import CUBLAS_WORKSPACES
 
     facts = small_facts("EleutherAI/pythia-14m")
     model = build(config_from_dict(facts), "fp32", device="meta")
-    weights = sum(allocated_bytes(t.untyped_storage().nbytes()) for t in model.parameters())
-    weights += sum(allocated_bytes(t.untyped_storage().nbytes()) for t in model.buffers())
+    weights = sum(p.nbytes for p in model.parameters())
     result = predict_peak(facts, 1, 64, "fp32")
     parts = result["components"]
     assert result["peak_phase"] == "optimizer"
-    assert parts["parameters"] == weights
-    assert result["optimizer_state_bytes"] == 2 * sum(allocated_bytes(p.nbytes) for p in model.parameters()
-                                                      if p.requires_grad)
-    assert parts["gradients"] == parts["optimizer_intermediates"] == result["optimizer_state_bytes"] // 2
+    assert result["optimizer_state_bytes"] == 2 * weights  # storage bytes, as pipeline.memory reports them
+    for name, copies in (("parameters", 1), ("gradients", 1), ("optimizer_state", 2), ("optimizer_intermediates", 1)):
+        assert copies * weights <= parts[name] <= copies * weights * 1.01, name
+    assert parts["activations"] >= sum(CUBLAS_WORKSPACES)
     assert result["peak_bytes"] == sum(parts.values())
-    assert torch.float32 == next(model.parameters()).dtype
 
 
 def test_meta_output_cache_changes_nothing(monkeypatch):

@@ -96,3 +96,11 @@ def test_missing_or_bad_inputs_are_one_line_and_write_nothing(coefficients, tmp_
     err = capsys.readouterr().err.strip()
     assert "not valid JSON" in err and "\n" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["coefficients.json", "peaks.parquet"]
+
+
+@needs_peaks
+def test_refit_heuristic_beats_the_blog_out_of_family(validated):
+    _, summary, _ = validated
+    blog, lofo = summary["overall"]["blog"], summary["overall"]["heuristic-lofo"]
+    assert lofo["median_abs_relative_error"] < blog["median_abs_relative_error"]
+    assert lofo["worst_abs_relative_error"] < blog["worst_abs_relative_error"]
