@@ -509,6 +509,14 @@ def die_with_parent() -> None:
         pass
 
 
+def single_threaded_cpu() -> None:
+    """A forked child whose parent already ran OpenMP work (GNU libgomp) hangs in its first parallel
+    region; with one thread torch never enters one. Only CPU measurements run CPU kernels."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def write_current(part, text: str) -> None:
     Path(str(part) + ".current").write_text(text)
 
@@ -518,6 +526,8 @@ def run_job(job: Job, parts_dir, device: str = "cuda", deadline: float | None = 
     """The body of one child process: measure the job's pending points, appending rows."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it kills the children
+    if device == "cpu":
+        single_threaded_cpu()
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     part = part_path(parts_dir, job)

@@ -133,6 +133,9 @@ def test_bad_plans_are_one_line_user_errors(data, message):
 def cpu_sweep(configs_path, tmp_path_factory):
     """A real sweep on the CPU: tiny-llama in fp32 and bf16 with every variant, plus a model that
     cannot be built. Returns (jobs, parts folder, aggregated frame, outcomes)."""
+    import torch
+
+    torch.ones(512, 512) @ torch.ones(512, 512)  # the parent's OpenMP pool is live, as after other tests
     records, _ = sweep.load_model_records(configs_path, [TINY])
     plan = make_plan(
         precisions=["fp32", "bf16"], models=[TINY, BROKEN],
