@@ -141,21 +141,25 @@ def main() -> int:
     if args.child:
         child(args.child)
         return 0
+    from pipeline.io import write_json
+    from pipeline.provenance import provenance
+
     registry = args.registry or default_registry()
-    with tempfile.TemporaryDirectory() as directory:
-        stages = [time_stage(registry, points, args.workers, Path(directory)) for points in args.points]
     result = {
         "registry": str(registry.relative_to(ROOT) if registry.is_relative_to(ROOT) else registry),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_average_1min_at_end": round(os.getloadavg()[0], 2)},
-        "stage": stages,
-        "qwen2.5-1.5b": {mode: time_qwen(mode) for mode in ("meta", "cpu")},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "stage": [],
+        "qwen2.5-1.5b": {},
         "date": time.strftime("%Y-%m-%d"),
+        "provenance": provenance(include_device=False),
     }
-    from pipeline.provenance import provenance
-    from pipeline.io import write_json
-
-    result["provenance"] = provenance()
+    for mode in ("meta", "cpu"):
+        result["qwen2.5-1.5b"][mode] = time_qwen(mode)
+    with tempfile.TemporaryDirectory() as directory:
+        for points in args.points:
+            result["stage"].append(time_stage(registry, points, args.workers, Path(directory)))
+            write_json(result, OUT)  # what is measured so far
+    result["machine"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
     write_json(result, OUT)
     print(markdown(result))
     print(f"\n-> {OUT.relative_to(ROOT)}")

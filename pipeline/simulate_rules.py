@@ -17,6 +17,7 @@ graph). What is not, and is mirrored here:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from contextlib import contextmanager
 
@@ -129,8 +130,66 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                 query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         return aten._scaled_dot_product_efficient_attention(
             query, key, value, attn_mask, needs_grad, dropout_p, is_causal, scale=scale)[0]
-    return aten._scaled_dot_product_attention_math(
-        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+    return math_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def math_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """aten::_scaled_dot_product_attention_math (attention.cpp) as CUDA runs it, op for op.
+
+    Three things differ from running that composite on the meta device: the mask is added in
+    place (the composite adds out of place under a dispatch mode, which counts as a tensor
+    subclass), dropout is CUDA's fused kernel (a bool mask), and `_safe_softmax` allocates what
+    the H200 shows (`SafeSoftmax`).
+    """
+    import torch
+
+    origin_dtype = query.dtype
+    if origin_dtype in (torch.float16, torch.bfloat16):  # the math kernel computes in fp32
+        query, key, value = query.float(), key.float(), value.float()
+    scaling = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]))
+    query = query * scaling
+    if is_causal:
+        causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        attn_mask = torch.where(causal, torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device),
+                                torch.scalar_tensor(float("-inf"), dtype=query.dtype, device=query.device))
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
+    attn = torch.matmul(query, key.transpose(-2, -1) * scaling)
+    if attn_mask is not None:
+        attn.add_(attn_mask)
+    attn = _safe_softmax_function().apply(attn)
+    if dropout_p > 0.0:
+        attn = torch.native_dropout(attn, dropout_p, True)[0]
+    return torch.matmul(attn, value).to(origin_dtype)
+
+
+@functools.cache
+def _safe_softmax_function():
+    """aten::_safe_softmax over the last dim, with the memory its CUDA backward shows: one more
+    buffer the size of the probabilities while the gradient is computed (measured: fp32 math-kernel
+    rows of SmolLM2-135M/360M and TinyLlama peak one (B, H, L, L) fp32 tensor above the meta
+    kernels' count in the backward, with and without checkpointing; eager attention's softmax
+    does not). Its forward keeps a bool mask of the input alive (workspace rule)."""
+    import torch
+
+    class SafeSoftmax(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, scores):
+            probabilities = torch.ops.aten._safe_softmax(scores, -1)
+            ctx.save_for_backward(probabilities)
+            ctx.input_dtype = scores.dtype
+            return probabilities
+
+        @staticmethod
+        def backward(ctx, grad):
+            (probabilities,) = ctx.saved_tensors
+            scratch = torch.empty_like(grad)
+            grad_scores = torch.ops.aten._softmax_backward_data(grad, probabilities, -1, ctx.input_dtype)
+            del scratch
+            return grad_scores
+
+    return SafeSoftmax
 
 
 def cuda_dropout(func, args, kwargs):
@@ -153,6 +212,7 @@ def grouped_mm_stand_in(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return _grouped_mm_function().apply(mat_a, mat_b, offs)
 
 
+@functools.cache
 def _grouped_mm_function():
     import torch
 
@@ -208,6 +268,11 @@ def _cudnn_backward_workspace(args, kwargs, out):
     return [batch * heads * seq_q * 4, batch * heads * seq_q * head_dim * 4]
 
 
+def _safe_softmax_workspace(args, kwargs, out):
+    """_safe_softmax (the math kernel's softmax): `self == -inf` as a bool mask of the input."""
+    return [args[0].numel()]
+
+
 def _embedding_backward_workspace(args, kwargs, out):
     """CUDA embedding_dense_backward: up to 3072 indices a direct kernel; beyond, a sort of the
     indices (sorted, original, their range, segment offsets, partial counts: int64 each) and the
@@ -248,6 +313,7 @@ def workspace_rules() -> dict:
         aten._scaled_dot_product_efficient_attention_backward.default: _efficient_backward_workspace,
         aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward_workspace,
         aten.embedding_dense_backward.default: _embedding_backward_workspace,
+        aten._safe_softmax.default: _safe_softmax_workspace,
     }
 
 
