@@ -23,6 +23,8 @@ rule count:
     output:
         models=MODELS,
         activations=ACTIVATIONS,
+    params:
+        points=config["count_points"],
     log:
         "logs/count.log",
     conda:
@@ -33,4 +35,5 @@ rule count:
     shell:
         "python -m pipeline activations --registry {input.registry:q} --configs {input.configs:q}"
         " --models-out {output.models:q} --activations-out {output.activations:q} --workers {threads}"
+        " --points {params.points}"
         " > {log:q} 2>&1"

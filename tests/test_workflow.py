@@ -81,6 +81,24 @@ def test_dry_run_reuses_committed_peaks_on_cpu(tmp_path):
             assert job.benchmark and str(job.benchmark).startswith("logs/benchmarks/"), job.rule.name
 
 
+@pytest.mark.parametrize("points", ["blog", "standard"])
+def test_count_points_reach_the_count_command(tmp_path, points):
+    workdir = workflow_copy(tmp_path)
+    workflow = dry_run(workdir, {"registry": SMALL_REGISTRY, "measure": "reuse", "count_points": points},
+                       targets=["results/activations.parquet"])
+    (job,) = [job for job in workflow.dag.jobs if job.rule.name == "count"]
+    assert job.params.points == points
+    assert f"--points {points}" in job.shellcmd
+
+
+def test_an_unknown_count_point_set_is_refused(tmp_path):
+    from snakemake.exceptions import WorkflowError
+
+    workdir = workflow_copy(tmp_path)
+    with pytest.raises(WorkflowError, match="count_points"):
+        dry_run(workdir, {"registry": SMALL_REGISTRY, "count_points": "everything"})
+
+
 def test_dry_run_full_workflow_with_gpu_measurements(tmp_path):
     workdir = workflow_copy(tmp_path)
     workflow = dry_run(workdir, {"registry": SMALL_REGISTRY, "measure": "gpu"})
