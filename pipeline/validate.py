@@ -100,19 +100,47 @@ class ExactCache:
         return self.answers[key]
 
 
+SIMULATED_KEYS = ("model_id", "precision", "variant", "optimizer", "gradient_checkpointing", "attn_implementation",
+                  "batch_size", "seq_len")
+
+
+def simulated_lookup(simulated) -> dict:
+    """The simulate stage's table (simulate-peaks) as {point key: row}."""
+    missing = [c for c in (*SIMULATED_KEYS, "simulated_peak_bytes", "simulate_status", "simulate_reason")
+               if c not in simulated.columns]
+    if missing:
+        raise UserError(f"simulated table: missing columns {', '.join(missing)}")
+    return {_simulated_key(r): r for r in simulated.to_dict("records")}
+
+
+def _simulated_key(row) -> tuple:
+    get = row.get if isinstance(row, dict) else lambda name: getattr(row, name)
+    return tuple(str(get(name)) for name in SIMULATED_KEYS)
+
+
+def simulated_peak(lookup: dict, row) -> float:
+    found = lookup.get(_simulated_key(row))
+    if found is None:
+        raise UserError("point not in the simulated table")
+    if found["simulate_status"] != "ok":
+        raise UserError(f"simulator: {found['simulate_reason']}")
+    return float(found["simulated_peak_bytes"])
+
+
 def predict(row, estimator: str, coefficients: dict | None, exact: ExactCache | None, active: dict) -> float:
     from pipeline.estimate import Target, estimate_target
 
     if estimator == "exact":
-        return exact.peak(row)
+        return exact.peak(row) if isinstance(exact, ExactCache) else simulated_peak(exact, row)
     target = Target(int(row.parameters), row.model_id, active_parameters=active.get(row.model_id))
     method = "blog" if estimator == "blog" else "heuristic"
     return estimate_target(target, int(row.batch_size), int(row.seq_len), row.precision, row.optimizer,
                            bool(row.gradient_checkpointing), method, coefficients)["peak_bytes"]
 
 
-def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False):
-    """The validation table: one row per measured ok/oom point x estimator."""
+def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False, simulated=None):
+    """The validation table: one row per measured ok/oom point x estimator. The exact estimator
+    runs the simulator (`exact`) or reads its answers from the simulate stage's table (`simulated`)."""
     import math
 
     import pandas as pd
@@ -122,8 +150,8 @@ def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False):
     rows = measured_rows(peaks)
     if rows.empty:
         raise UserError("peak table: no ok or oom rows of the standard training step")
-    estimators = [e for e in ESTIMATORS if e != "exact" or exact]
-    cache = ExactCache(configs_path) if exact else None
+    estimators = [e for e in ESTIMATORS if e != "exact" or exact or simulated is not None]
+    cache = simulated_lookup(simulated) if simulated is not None else ExactCache(configs_path) if exact else None
     lofo = {family: refit_without_family(coefficients, peaks, family) for family in rows["family"].unique()}
     active = {r["model_id"]: r.get("active_parameters") for r in coefficients["data"]["rows"]}  # MoE: per token
     records = []
@@ -224,15 +252,16 @@ def summary_markdown(summary: dict) -> str:
 
 
 def run_validate(peaks_path, coefficients_path, configs_path, out_path, exact: bool = False,
-                 summary_path=None) -> dict:
+                 summary_path=None, simulated_path=None) -> dict:
     from pipeline.fit import load_coefficients, read_table
     from pipeline.io import write_json, write_parquet, write_text
 
     coefficients = load_coefficients(coefficients_path)
     peaks = read_table(peaks_path, "peak-memory")
-    if exact and not Path(configs_path).is_file():
+    simulated = read_table(simulated_path, "simulated") if simulated_path else None
+    if exact and simulated is None and not Path(configs_path).is_file():
         raise UserError(f"{configs_path}: configs file not found (needed by --exact)")
-    table = validate(peaks, coefficients, configs_path, exact)
+    table = validate(peaks, coefficients, configs_path, exact, simulated)
     summary = summarize(table, coefficients)
     summary_path = Path(summary_path) if summary_path else Path(out_path).with_name("validation_summary.md")
     write_parquet(table, out_path)
@@ -250,11 +279,14 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--summary", default=None, help="markdown summary (default: validation_summary.md beside --out; "
                                                         "JSON beside it)")
     parser.add_argument("--exact", action="store_true", help="also run the simulator (slow)")
+    parser.add_argument("--simulated", default=None,
+                        help="the exact estimator's answers from this simulate-peaks table instead of --exact")
     parser.set_defaults(handler=_validate_command)
 
 
 def _validate_command(args) -> int:
-    summary = run_validate(args.peaks, args.coefficients, args.configs, args.out, args.exact, args.summary)
+    summary = run_validate(args.peaks, args.coefficients, args.configs, args.out, args.exact, args.summary,
+                           args.simulated)
     print(summary_markdown(summary), end="")
     print(f"validate: -> {args.out}")
     return 0

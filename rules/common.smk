@@ -116,7 +116,14 @@ def peak_inputs(wildcards):
 
 
 def simulated_inputs(wildcards):
-    return {"simulated": SIMULATED} if HAVE_PEAKS and config["simulate"] else {}
+    """The simulate stage's table, wherever it is made (simulate=true, or validate_exact=true)."""
+    wanted = config["simulate"] or config["validate_exact"]
+    return {"simulated": SIMULATED} if HAVE_PEAKS and wanted else {}
+
+
+def exact_inputs(wildcards):
+    """validate_exact: the exact estimator reads the simulate stage's answers (one simulation per point)."""
+    return {"simulated": SIMULATED} if config["validate_exact"] else {}
 
 
 def available_results():

@@ -20,6 +20,7 @@ rule fit:
 
 rule validate:
     input:
+        unpack(exact_inputs),
         peaks=PEAKS,
         coefficients=COEFFICIENTS,
         configs=CONFIGS,
@@ -28,7 +29,7 @@ rule validate:
         summary=VALIDATION_SUMMARY,
         summary_json=VALIDATION_SUMMARY.replace(".md", ".json"),
     params:
-        exact="--exact" if config["validate_exact"] else "",
+        exact=lambda wildcards, input: f"--simulated {input.simulated}" if "simulated" in input.keys() else "",
     log:
         "logs/validate.log",
     conda:
@@ -53,6 +54,7 @@ rule simulate:
         "../envs/pipeline.yaml"
     benchmark:
         "logs/benchmarks/simulate.tsv"
+    threads: 8  # worker processes; Snakemake lowers it to --cores
     shell:
         "python -m pipeline simulate-peaks --peaks {input.peaks:q} --configs {input.configs:q}"
-        " --out {output.simulated:q} > {log:q} 2>&1"
+        " --out {output.simulated:q} --workers {threads} > {log:q} 2>&1"

@@ -91,6 +91,16 @@ def test_count_points_reach_the_count_command(tmp_path, points):
     assert f"--points {points}" in job.shellcmd
 
 
+def test_validate_exact_reads_the_simulate_stage(tmp_path):
+    workdir = workflow_copy(tmp_path, with_peaks=True)
+    workflow = dry_run(workdir, {"registry": SMALL_REGISTRY, "measure": "reuse", "validate_exact": True},
+                       targets=["results/validation.parquet"])
+    jobs = {job.rule.name: job for job in workflow.dag.jobs}
+    assert "simulate" in jobs
+    assert "results/simulated.parquet" in [str(f) for f in jobs["validate"].input]
+    assert jobs["validate"].params.exact == "--simulated results/simulated.parquet"
+
+
 def test_an_unknown_count_point_set_is_refused(tmp_path):
     from snakemake.exceptions import WorkflowError
 
