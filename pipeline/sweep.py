@@ -680,6 +680,9 @@ def _gpu_slots(gpus: int) -> list[str | None]:
     return (visible or [str(i) for i in range(gpus)])[:gpus]
 
 
+PROGRESS_SECONDS = 60.0
+
+
 def run_sweep(jobs: list[Job], parts_dir, device: str = "cuda", time_limit: float | None = None,
               child_timeout: float = 240, gpus: int = 1, start_method: str = "fork", allow_tf32: bool = True,
               retry_errors: bool = False, estimate: dict | None = None, target=None, log=print) -> dict:
@@ -692,6 +695,7 @@ def run_sweep(jobs: list[Job], parts_dir, device: str = "cuda", time_limit: floa
     started = process_start_time() or time.time()  # the command's limit counts from there
     deadline = started + time_limit if time_limit else None
     pending = [job for job in jobs if pending_points(job, read_rows(part_path(parts_dir, job)), retry_errors)]
+    progress = SweepProgress(pending, parts_dir, retry_errors, log)
     if start_method == "fork":
         prepare_fork_parent(pending)
     context = multiprocessing.get_context(start_method)
@@ -716,6 +720,7 @@ def run_sweep(jobs: list[Job], parts_dir, device: str = "cuda", time_limit: floa
             if not running:
                 break
             wait(list(running), timeout=0.5)
+            progress.report()
             for sentinel, (process, job, slot, launched) in list(running.items()):
                 outcome = _check_child(process, job, parts_dir, launched, child_timeout, deadline, retry_errors)
                 if outcome:
@@ -724,6 +729,7 @@ def run_sweep(jobs: list[Job], parts_dir, device: str = "cuda", time_limit: floa
                     outcomes[outcome] += 1
                     event(parts_dir, "child_end", job=job.name, pid=process.pid, exitcode=process.exitcode,
                           outcome=outcome)
+                    progress.report(force=True)
                     if outcome == "error" and process.exitcode == EXIT_SETUP_FAILED:
                         halted = f"{job.name}: {_current_point(part_path(parts_dir, job))}"
                         log(f"sweep: stopping, a child could not set up the device ({halted})")
@@ -741,6 +747,31 @@ def run_sweep(jobs: list[Job], parts_dir, device: str = "cuda", time_limit: floa
         raise UserError(f"the sweep stopped: a child could not set up the device ({halted}); "
                         f"if CUDA failed to initialise in a forked child, rerun with --start-method spawn")
     return outcomes
+
+
+class SweepProgress:
+    """Grid points measured so far, models done, and the time left at the rate so far (a line
+    after each model and at most every PROGRESS_SECONDS between)."""
+
+    def __init__(self, jobs: list[Job], parts_dir, retry_errors: bool, log):
+        self.jobs, self.parts_dir, self.retry_errors, self.log = jobs, parts_dir, retry_errors, log
+        self.total = sum(len(self.pending(job)) for job in jobs)
+        self.started = self.last = time.time()
+
+    def pending(self, job: Job) -> list:
+        return pending_points(job, read_rows(part_path(self.parts_dir, job)), self.retry_errors)
+
+    def report(self, force: bool = False) -> None:
+        now = time.time()
+        if not self.total or (not force and now - self.last < PROGRESS_SECONDS):
+            return
+        self.last = now
+        left_points = [len(self.pending(job)) for job in self.jobs]
+        done = self.total - sum(left_points)
+        elapsed = now - self.started
+        left = f", about {elapsed / done * (self.total - done):.0f} s left" if done else ""
+        self.log(f"sweep: {done}/{self.total} grid points, {left_points.count(0)}/{len(self.jobs)} models "
+                 f"({elapsed:.0f} s{left})")
 
 
 def _exit_on_sigterm(signum, frame):

@@ -10,6 +10,7 @@ from pipeline.cli import main
 from pipeline.errors import UserError
 
 REGISTRY = Path(__file__).parent / "data" / "models_small.yaml"
+FULL_REGISTRY = Path(__file__).parent.parent / "models.yaml"
 
 
 def counted(model_id: str, **kwargs) -> dict:
@@ -18,10 +19,10 @@ def counted(model_id: str, **kwargs) -> dict:
     return count(model=model_id, config_source="embedded", registry=REGISTRY, **kwargs)
 
 
-def registry_config(model_id: str):
+def registry_config(model_id: str, registry: Path = REGISTRY):
     from pipeline.configs import resolve_model
 
-    return resolve_model(model_id, mode="embedded", registry_path=REGISTRY).config
+    return resolve_model(model_id, mode="embedded", registry_path=registry).config
 
 
 def test_qwen25_15b_reproduces_the_blog_figure():
@@ -229,3 +230,32 @@ def test_count_cli_json(capsys):
     assert {"parameters", "elements_per_token", "bytes_per_token", "dtype"} <= set(result)
     assert (result["elements_per_token"], result["bytes_per_token"], result["dtype"]) == (1_266_304, 5_065_216,
                                                                                            "float32")
+
+
+# Layer replay: decoder stacks whose layers differ by position (sliding/global attention, NoPE
+# layers, dense-then-MoE, alternating local attention, a recurrent scan), each counted with and
+# without replay.
+REPLAY_CASES = {  # layers replayed at each of the points below (the rest ran)
+    "Qwen/Qwen2.5-0.5B": (22, 22, 21, 21, 21),  # 24 layers
+    "google/gemma-3-1b-it": (22, 22, 20, 20, 20),  # 26 layers, 5 sliding : 1 global
+    "EleutherAI/gpt-neo-125m": (8, 8, 0, 0, 0),  # 12 layers, global and local alternate
+    "deepseek-ai/DeepSeek-V2-Lite": (24, 24, 24, 24, 24),  # 27 layers, a dense first layer, then MoE
+    "meta-llama/Llama-4-Scout-17B-16E": (44, 44, 43, 43, 43),  # 48 layers, NoPE every 4th
+    "state-spaces/mamba-130m-hf": (22, 22, 22, 21, 22),  # 24 layers, a recurrent scan
+}
+REPLAY_POINTS = (("hook", (1, 1)), ("hook", (2, 96)), ("saved", (1, 64, "float32")),
+                 ("saved", (2, 96, "bfloat16")), ("saved", (1, 64, "amp-bf16")))
+
+
+@pytest.mark.parametrize("model_id", REPLAY_CASES)
+def test_layer_replay_counts_equal_full_forwards(model_id):
+    from pipeline.activations import ModelCounter
+
+    config = registry_config(model_id, FULL_REGISTRY)
+    replayed, full = ModelCounter(config), ModelCounter(config, replay_layers=False)
+    for (method, point), replays in zip(REPLAY_POINTS, REPLAY_CASES[model_id]):
+        fast, slow = getattr(replayed, method)(*point), getattr(full, method)(*point)
+        assert fast.status == slow.status == "ok", (fast.reason, slow.reason)
+        assert (fast.elements, fast.bytes) == (slow.elements, slow.bytes), (method, point)
+        assert replayed.last_tally.replayed_layers == replays, (method, point)
+        assert full.last_tally.replayed_layers == 0
