@@ -18,7 +18,7 @@ from pipeline.registry import safe_name, validate_registry_data
 
 
 # `--config publish=true` arrives as the string "true" (Snakemake only reads True/False as booleans).
-for key in ("validate_exact", "simulate", "publish"):
+for key in ("publish",):
     if str(config.get(key)).lower() in ("true", "false"):
         config[key] = str(config[key]).lower() == "true"
 
@@ -115,15 +115,23 @@ def peak_inputs(wildcards):
     return {"peaks": PEAKS} if HAVE_PEAKS else {}
 
 
+def simulate_mode():
+    if config["simulate"] == "auto":
+        if MEASURE == "gpu":
+            return "run"
+        return "reuse" if Path(SIMULATED).exists() else "off"
+    return config["simulate"]
+
+
+# With simulate=reuse the committed table is a plain input, as the peaks are with measure=reuse.
+SIMULATE = simulate_mode() if HAVE_PEAKS else "off"
+if SIMULATE == "reuse" and not Path(SIMULATED).exists():
+    raise WorkflowError(f"simulate=reuse needs {SIMULATED}; use simulate=run to make it")
+
+
 def simulated_inputs(wildcards):
-    """The simulate stage's table, wherever it is made (simulate=true, or validate_exact=true)."""
-    wanted = config["simulate"] or config["validate_exact"]
-    return {"simulated": SIMULATED} if HAVE_PEAKS and wanted else {}
-
-
-def exact_inputs(wildcards):
-    """validate_exact: the exact estimator reads the simulate stage's answers (one simulation per point)."""
-    return {"simulated": SIMULATED} if config["validate_exact"] else {}
+    """The simulate stage's table (exact estimator, simulated subset), unless simulate=off."""
+    return {"simulated": SIMULATED} if SIMULATE != "off" else {}
 
 
 def available_results():
@@ -152,6 +160,8 @@ onstart:
     if MEASURE == "reuse":
         note = "reusing the committed" if HAVE_PEAKS else "no GPU and no committed"
         print(f"measure: {note} {PEAKS} (measure=gpu re-measures on a GPU)")
+    if SIMULATE == "reuse":
+        print(f"simulate: reusing the committed {SIMULATED} (simulate=run re-simulates)")
 
 
 onsuccess:

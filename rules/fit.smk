@@ -20,7 +20,7 @@ rule fit:
 
 rule validate:
     input:
-        unpack(exact_inputs),
+        unpack(simulated_inputs),
         peaks=PEAKS,
         coefficients=COEFFICIENTS,
         configs=CONFIGS,
@@ -42,19 +42,21 @@ rule validate:
         " {params.exact} > {log:q} 2>&1"
 
 
-rule simulate:
-    input:
-        peaks=PEAKS,
-        configs=CONFIGS,
-    output:
-        simulated=SIMULATED,
-    log:
-        "logs/simulate.log",
-    conda:
-        "../envs/pipeline.yaml"
-    benchmark:
-        "logs/benchmarks/simulate.tsv"
-    threads: 8  # worker processes; Snakemake lowers it to --cores
-    shell:
-        "python -m pipeline simulate-peaks --peaks {input.peaks:q} --configs {input.configs:q}"
-        " --out {output.simulated:q} --workers {threads} > {log:q} 2>&1"
+if SIMULATE == "run":
+
+    rule simulate:
+        input:
+            peaks=PEAKS,
+            configs=CONFIGS,
+        output:
+            simulated=SIMULATED,
+        log:
+            "logs/simulate.log",
+        conda:
+            "../envs/pipeline.yaml"
+        benchmark:
+            "logs/benchmarks/simulate.tsv"
+        threads: 8  # worker processes; Snakemake lowers it to --cores
+        shell:
+            "python -m pipeline simulate-peaks --peaks {input.peaks:q} --configs {input.configs:q}"
+            " --out {output.simulated:q} --workers {threads} > {log:q} 2>&1"

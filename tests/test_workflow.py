@@ -15,9 +15,10 @@ REPO = Path(__file__).resolve().parent.parent
 SMALL_REGISTRY = "tests/data/models_small.yaml"
 WORKFLOW_FILES = ("Snakefile", "rules", "config", "profiles", "report", "envs", SMALL_REGISTRY)
 COMMITTED_PEAKS = REPO / "results" / "peak_memory.parquet"
+COMMITTED_SIMULATED = REPO / "results" / "simulated.parquet"
 
 
-def workflow_copy(root: Path, with_peaks: bool = False) -> Path:
+def workflow_copy(root: Path, with_peaks: bool = False, with_simulated: bool = False) -> Path:
     """The workflow files (not the package: the installed one runs) in a fresh folder."""
     for name in WORKFLOW_FILES:
         source, target = REPO / name, root / name
@@ -29,6 +30,8 @@ def workflow_copy(root: Path, with_peaks: bool = False) -> Path:
     if with_peaks and COMMITTED_PEAKS.exists():
         (root / "results").mkdir(exist_ok=True)
         shutil.copyfile(COMMITTED_PEAKS, root / "results" / "peak_memory.parquet")
+    if with_simulated:
+        shutil.copyfile(COMMITTED_SIMULATED, root / "results" / "simulated.parquet")
     return root
 
 
@@ -91,14 +94,28 @@ def test_count_points_reach_the_count_command(tmp_path, points):
     assert f"--points {points}" in job.shellcmd
 
 
-def test_validate_exact_reads_the_simulate_stage(tmp_path):
-    workdir = workflow_copy(tmp_path, with_peaks=True)
-    workflow = dry_run(workdir, {"registry": SMALL_REGISTRY, "measure": "reuse", "validate_exact": True},
-                       targets=["results/validation.parquet"])
+@pytest.mark.parametrize("mode, committed, simulate_job, exact", [
+    ("run", False, True, True),     # simulate-peaks makes the table
+    ("auto", True, False, True),    # no GPU here: the committed table is reused
+    ("reuse", True, False, True),
+    ("auto", False, False, False),  # nothing to reuse: no exact estimator
+    ("off", True, False, False),
+])
+def test_simulate_modes(tmp_path, mode, committed, simulate_job, exact):
+    workdir = workflow_copy(tmp_path, with_peaks=True, with_simulated=committed)
+    workflow = dry_run(workdir, {"registry": SMALL_REGISTRY, "measure": "reuse", "simulate": mode})
     jobs = {job.rule.name: job for job in workflow.dag.jobs}
-    assert "simulate" in jobs
-    assert "results/simulated.parquet" in [str(f) for f in jobs["validate"].input]
-    assert jobs["validate"].params.exact == "--simulated results/simulated.parquet"
+    assert ("simulate" in jobs) == simulate_job
+    assert jobs["validate"].params.exact == ("--simulated results/simulated.parquet" if exact else "")
+    assert ("results/simulated.parquet" in [str(f) for f in jobs["dataset"].input]) == exact
+
+
+def test_simulate_reuse_without_a_table_is_refused(tmp_path):
+    from snakemake.exceptions import WorkflowError
+
+    workdir = workflow_copy(tmp_path, with_peaks=True)
+    with pytest.raises(WorkflowError, match="simulate=reuse needs"):
+        dry_run(workdir, {"registry": SMALL_REGISTRY, "measure": "reuse", "simulate": "reuse"})
 
 
 def test_an_unknown_count_point_set_is_refused(tmp_path):
