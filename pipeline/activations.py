@@ -897,22 +897,24 @@ def time_limit(seconds: float | None):
 
 
 class TimeEstimate:
-    """Seconds of a forward at T tokens: constant, unless the forward visibly grows with T."""
+    """Seconds a forward spends per sequence position, from the hook forwards (which run first, from
+    L=1 to L=1024). A meta forward costs about the same at any L, except where the model loops over
+    the sequence in Python (a recurrent scan without its CUDA kernel): then the cost grows with L."""
 
     def __init__(self):
-        self.first = None  # (tokens, seconds) of the first forward
-        self.seconds_per_token = None
+        self.first = None  # (seq_len, seconds) of the first hook forward
+        self.seconds_per_position = 0.0
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, seq: int, seconds: float, method: str) -> None:
+        if method != "hook":
+            return  # a training forward costs more at any L: comparing it with a hook forward says nothing
         if self.first is None:
-            self.first = (tokens, seconds)
-        elif self.seconds_per_token is None and tokens >= 64 * self.first[0] and seconds > 8 * self.first[1]:
-            self.seconds_per_token = seconds / tokens
+            self.first = (seq, seconds)
+        elif seq > self.first[0]:  # the longest hook forward so far: the least noisy slope
+            self.seconds_per_position = max(0.0, (seconds - self.first[1]) / (seq - self.first[0]))
 
-    def seconds(self, tokens: int, method: str) -> float:
-        if self.seconds_per_token is None:
-            return 0.0
-        return self.seconds_per_token * tokens * (2 if method == "saved" else 1)  # a training forward costs ~2x
+    def seconds(self, seq: int, method: str) -> float:
+        return self.seconds_per_position * seq * (2 if method == "saved" else 1)  # a training forward: ~2x
 
 
 # --------------------------------------------------------------------------------------------
@@ -978,20 +980,19 @@ def measure_points(counter: ModelCounter, base: dict, wanted: list, context: int
     deadline = time.perf_counter() + MODEL_TIME_LIMIT_S
     rows = []
     for method, dtype, batch, seq in wanted:
-        tokens = batch * seq
         left = deadline - time.perf_counter()
         if context and seq > context:
             measurement = Measurement(status="skipped", reason=f"seq_len {seq} beyond the context length {context}")
-        elif estimate.seconds(tokens, method) > POINT_ESTIMATE_LIMIT_S:
+        elif estimate.seconds(seq, method) > POINT_ESTIMATE_LIMIT_S:
             measurement = Measurement(status="skipped", reason=(
-                f"estimated {estimate.seconds(tokens, method):.0f} s: the forward loops over the sequence"))
+                f"estimated {estimate.seconds(seq, method):.0f} s: the forward loops over the sequence"))
         elif left <= 0:
             measurement = Measurement(status="error", reason=f"model time limit of {MODEL_TIME_LIMIT_S:.0f} s reached")
         else:
             try:
                 with time_limit(min(POINT_TIME_LIMIT_S, left)):
                     measurement = counter.hook(batch, seq) if method == "hook" else counter.saved(batch, seq, dtype)
-                estimate.observe(tokens, measurement.seconds)
+                estimate.observe(seq, measurement.seconds, method)
             except PointTimeout as exc:
                 measurement = Measurement(status="error", reason=str(exc))
         rows.extend(_rows(base, method, dtype, batch, seq, measurement))

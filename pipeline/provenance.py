@@ -33,8 +33,8 @@ def git_commit() -> str:
     if out.returncode != 0:
         return "unknown"
     commit = out.stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
+    dirty = subprocess.run(  # the pipeline's own outputs under results/ change as it runs: not code
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
     ).stdout.strip()
     return commit + ("-dirty" if dirty else "")

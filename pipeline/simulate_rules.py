@@ -240,7 +240,7 @@ def _round_up(value: int, multiple: int) -> int:
 
 def _flash_backward_workspace(args, kwargs, out):
     """FA2 mha_bwd: softmax_d and dq_accum in fp32, and dk/dv at q's head count for GQA."""
-    grad_out, query, key = args[0], args[1], args[2]
+    query, key = args[1], args[2]
     batch, heads, seq_q, head_dim = query.shape
     kv_heads, seq_k = key.shape[1], key.shape[2]
     seq_q_rounded = _round_up(seq_q, 128)

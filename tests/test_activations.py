@@ -63,7 +63,6 @@ def test_meta_hook_count_equals_a_real_cpu_forward():
 def test_saved_for_backward_on_meta_equals_a_real_cpu_training_forward():
     """Same distinct storages with the math attention kernel (the one meta tensors take). The CPU's
     default flash kernel saves the log-sum-exp instead of the attention probabilities: fewer bytes."""
-    import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from pipeline.activations import ModelCounter, saved_storages
@@ -259,3 +258,17 @@ def test_layer_replay_counts_equal_full_forwards(model_id):
         assert (fast.elements, fast.bytes) == (slow.elements, slow.bytes), (method, point)
         assert replayed.last_tally.replayed_layers == replays, (method, point)
         assert full.last_tally.replayed_layers == 0
+
+
+def test_time_estimate_skips_only_forwards_that_grow_with_the_sequence():
+    """Hook forward times of mamba-370m (a Python scan) and codegen-16B (attention) on this CPU."""
+    from pipeline.activations import POINT_ESTIMATE_LIMIT_S, TimeEstimate
+
+    scan, attention = TimeEstimate(), TimeEstimate()
+    for seq, seconds in ((1, 0.046), (128, 0.128), (1024, 0.667)):
+        scan.observe(seq, seconds, "hook")
+    for seq, seconds in ((1, 0.088), (128, 0.072), (1024, 0.068)):
+        attention.observe(seq, seconds, "hook")
+    attention.observe(128, 0.75, "saved")  # a training forward costs more: not a sign of a scan
+    assert scan.seconds(8192, "saved") > POINT_ESTIMATE_LIMIT_S > scan.seconds(2048, "saved")
+    assert attention.seconds(8192, "saved") == 0.0
