@@ -750,11 +750,11 @@ def run_sweep(jobs: list[Job], parts_dir, device: str = "cuda", time_limit: floa
 
 
 class SweepProgress:
-    """Grid points measured so far, models done, and the time left at the rate so far (a line
+    """Grid points measured so far, processes done, and the time left at the rate so far (a line
     after each model and at most every PROGRESS_SECONDS between)."""
 
     def __init__(self, jobs: list[Job], parts_dir, retry_errors: bool, log):
-        self.jobs, self.parts_dir, self.retry_errors, self.log = jobs, parts_dir, retry_errors, log
+        self.jobs, self.parts_dir, self.retry_errors, self.log = list(jobs), parts_dir, retry_errors, log
         self.total = sum(len(self.pending(job)) for job in jobs)
         self.started = self.last = time.time()
 
@@ -770,7 +770,7 @@ class SweepProgress:
         done = self.total - sum(left_points)
         elapsed = now - self.started
         left = f", about {elapsed / done * (self.total - done):.0f} s left" if done else ""
-        self.log(f"sweep: {done}/{self.total} grid points, {left_points.count(0)}/{len(self.jobs)} models "
+        self.log(f"sweep: {done}/{self.total} grid points, {left_points.count(0)}/{len(self.jobs)} processes "
                  f"({elapsed:.0f} s{left})")
 
 
