@@ -132,7 +132,7 @@ def test_bad_plans_are_one_line_user_errors(data, message):
 @pytest.fixture(scope="module")
 def cpu_sweep(configs_path, tmp_path_factory):
     """A real sweep on the CPU: tiny-llama in fp32 and bf16 with every variant, plus a model that
-    cannot be built. Returns (jobs, parts folder, aggregated frame, outcomes)."""
+    cannot be built. Returns (jobs, parts folder, aggregated frame, outcomes, progress lines)."""
     import torch
 
     torch.ones(512, 512) @ torch.ones(512, 512)  # the parent's OpenMP pool is live, as after other tests
@@ -148,16 +148,19 @@ def cpu_sweep(configs_path, tmp_path_factory):
                    "precisions": ["fp32"]}])
     jobs = make_jobs(plan, configs_path)
     parts = tmp_path_factory.mktemp("sweep") / "parts"
-    outcomes = sweep.run_sweep(jobs, parts, device="cpu", child_timeout=120, log=lambda *a: None)
+    progress = []
+    outcomes = sweep.run_sweep(jobs, parts, device="cpu", child_timeout=120, log=progress.append)
     frame = sweep.aggregate(parts, parts.parent / "peak_memory.parquet")
-    return jobs, parts, frame, outcomes
+    return jobs, parts, frame, outcomes, progress
 
 
 def test_cpu_sweep_rows_have_every_column_typed(cpu_sweep):
     import pandas as pd
 
-    jobs, parts, frame, outcomes = cpu_sweep
+    jobs, parts, frame, outcomes, progress = cpu_sweep
     assert outcomes == {"finished": 4, "error": 0, "stopped": 0, "not started": 0}
+    total = sum(len(job.points) for job in jobs)
+    assert progress[-1].startswith(f"sweep: {total}/{total} grid points, 4/4 processes"), progress
     stored = pd.read_parquet(parts.parent / "peak_memory.parquet")
     assert tuple(stored.columns) == COLUMNS
     assert {c: str(t) for c, t in stored.dtypes.items()} == COLUMN_DTYPES
@@ -171,7 +174,7 @@ def test_cpu_sweep_rows_have_every_column_typed(cpu_sweep):
 
 
 def test_cpu_sweep_weights_and_optimizer_state_are_real_sizes(cpu_sweep):
-    _, _, frame, _ = cpu_sweep
+    _, _, frame, *_ = cpu_sweep
     ok = frame[(frame["status"] == "ok") & (frame["model_id"] == TINY)]
     n = int(ok["parameters"].iloc[0])
     for precision, size in (("fp32", 4), ("bf16", 2)):
@@ -190,7 +193,7 @@ def test_cpu_sweep_weights_and_optimizer_state_are_real_sizes(cpu_sweep):
 
 
 def test_cpu_sweep_records_skips_and_a_model_that_cannot_be_built(cpu_sweep):
-    _, _, frame, _ = cpu_sweep
+    _, _, frame, *_ = cpu_sweep
     tiny = statuses(frame[frame["model_id"] == TINY].to_dict("records"))
     assert tiny[("fp32", "standard", "adamw", False, "default", 1, 128)] == (
         "skipped", "seq_len 128 beyond the context length 64")
@@ -407,7 +410,7 @@ def test_bad_plan_and_unknown_precision_on_the_command_line(configs_path, tmp_pa
 def test_sweep_on_a_cpu_machine_reuses_the_committed_table(cpu_sweep, tmp_path, capsys):
     import torch
 
-    _, parts, frame, _ = cpu_sweep
+    _, parts, frame, *_ = cpu_sweep
     table = parts.parent / "peak_memory.parquet"
     assert memory.main(["sweep", "--out", str(table)]) == 0
     out = capsys.readouterr().out
@@ -418,7 +421,7 @@ def test_sweep_on_a_cpu_machine_reuses_the_committed_table(cpu_sweep, tmp_path, 
 
 
 def test_aggregate_command_merges_parts(cpu_sweep, tmp_path, capsys):
-    _, parts, frame, _ = cpu_sweep
+    _, parts, frame, *_ = cpu_sweep
     assert memory.main(["sweep", "--aggregate", "--parts", str(parts), "--out", str(tmp_path / "t.parquet")]) == 0
     assert f"sweep: {len(frame)} rows (" in capsys.readouterr().out
     empty = ["sweep", "--aggregate", "--parts", str(tmp_path / "none"), "--out", str(tmp_path / "u.parquet")]
@@ -438,7 +441,7 @@ def test_the_gpu_machine_needs_no_jsonschema_snakemake_or_datasets():
 
 
 def test_efficiency_benchmark_reads_the_parts(cpu_sweep):
-    _, parts, _, _ = cpu_sweep
+    _, parts, *_ = cpu_sweep
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sweep_efficiency.py"), "--parts", str(parts)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
