@@ -523,6 +523,9 @@ def _limits_section(tables: dict) -> str:
         "- Peaks come from one GPU type and one software stack; allocator behaviour, attention "
         "kernels and fused optimizers differ across versions and devices.",
         "- Only architectures in transformers itself are built (no remote code).",
+        "- Counting points whose forward time grows with the sequence length (recurrent scans "
+        "without their CUDA kernels) are skipped once their estimated time passes 3 s; the "
+        "reason column says so.",
         "- The hook count sums module outputs, which counts some tensors several times and misses "
         "others; the `saved` method counts what autograd really keeps.",
     ]
