@@ -604,13 +604,17 @@ def replayed_layers(model, tally: Tally, enabled: bool = True, saved: dict | Non
             return output
         return replaying_forward
 
+    own = {id(layer): layer.__dict__["forward"] for layer in layers if "forward" in layer.__dict__}
     for layer in layers:
         layer.forward = wrap(layer, layer.forward)
     try:
         yield
     finally:
         for layer in layers:
-            del layer.forward  # the class's forward again
+            if id(layer) in own:
+                layer.forward = own[id(layer)]  # a forward set on the instance (hooks of other tools)
+            else:
+                del layer.forward  # the class's forward again
 
 
 def decoder_layers(model) -> list:
