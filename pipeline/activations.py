@@ -987,9 +987,9 @@ def measure_points(counter: ModelCounter, base: dict, wanted: list, context: int
         left = deadline - time.perf_counter()
         if context and seq > context:
             measurement = Measurement(status="skipped", reason=f"seq_len {seq} beyond the context length {context}")
-        elif estimate.seconds(seq, method) > POINT_ESTIMATE_LIMIT_S:
+        elif (estimated := estimate.seconds(seq, method)) > POINT_ESTIMATE_LIMIT_S:
             measurement = Measurement(status="skipped", reason=(
-                f"estimated {estimate.seconds(seq, method):.0f} s: the forward's time grows with the sequence length"))
+                f"estimated {estimated:.0f} s: the forward's time grows with the sequence length"))
         elif left <= 0:
             measurement = Measurement(status="error", reason=f"model time limit of {MODEL_TIME_LIMIT_S:.0f} s reached")
         else:

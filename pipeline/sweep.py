@@ -751,7 +751,7 @@ def run_sweep(jobs: list[Job], parts_dir, device: str = "cuda", time_limit: floa
 
 class SweepProgress:
     """Grid points measured so far, processes done, and the time left at the rate so far (a line
-    after each model and at most every PROGRESS_SECONDS between)."""
+    after each process ends, and every PROGRESS_SECONDS while they run)."""
 
     def __init__(self, jobs: list[Job], parts_dir, retry_errors: bool, log):
         self.jobs, self.parts_dir, self.retry_errors, self.log = list(jobs), parts_dir, retry_errors, log

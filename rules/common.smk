@@ -18,9 +18,8 @@ from pipeline.registry import safe_name, validate_registry_data
 
 
 # `--config publish=true` arrives as the string "true" (Snakemake only reads True/False as booleans).
-for key in ("publish",):
-    if str(config.get(key)).lower() in ("true", "false"):
-        config[key] = str(config[key]).lower() == "true"
+if str(config.get("publish")).lower() in ("true", "false"):
+    config["publish"] = str(config["publish"]).lower() == "true"
 
 validate(config, "../config/config.schema.json")
 if config["publish"] and config["publish_repo"].startswith("OWNER/"):
