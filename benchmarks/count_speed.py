@@ -86,7 +86,8 @@ def child(mode: str) -> None:
     import torch
 
     from pipeline.activations import ModelCounter, hook_elements
-    from pipeline.configs import build_model, resolve_model
+    from pipeline.configs import resolve_model
+    from pipeline.modeling import build_model
 
     config = resolve_model(QWEN, mode="embedded", registry_path=SMALL_REGISTRY).config
     build_model(config, device="meta")  # imports the model's code, the same for both modes

@@ -39,6 +39,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from pipeline.errors import UserError
+from pipeline.modeling import architecture_facts, parameter_counts
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Precision modes of the saved-for-backward count (DESIGN.md): the dtype of the weights, and
@@ -82,124 +83,6 @@ CPU_FORWARD_MAX_BYTES = 4 * 2**30
 # Largest input-derived tensor whose values the meta-fallback computes on the CPU: (B, L) tensors
 # such as position ids and padding masks, not (L, L) attention masks at long L.
 TRACKED_VALUE_MAX_ELEMENTS = 2**15
-
-NUM_EXPERTS_NAMES = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
-                     "num_routed_experts", "n_experts")
-TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "top_k", "moe_top_k", "num_selected_experts",
-               "moe_k", "experts_per_token")
-KV_HEADS_NAMES = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "num_query_groups", "multi_query_group_num")
-
-
-# --------------------------------------------------------------------------------------------
-# Parameters and architecture facts (models.parquet)
-
-
-def parameter_counts(model, config) -> dict:
-    """N, embedding, non-embedding and active (per token, MoE) parameters of a built model."""
-    import torch
-
-    params = list(model.parameters())  # shared/tied parameters come once
-    total = sum(p.numel() for p in params)
-    embedding_ids = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    embedding = sum(p.numel() for p in params if id(p) in embedding_ids)
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    untied_head = sum(p.numel() for p in output.parameters() if id(p) not in embedding_ids) if output else 0
-    num_experts, top_k = moe_routing(config)
-    routed = routed_expert_parameters(model, num_experts)
-    active = total - routed * (1 - top_k / num_experts) if routed else total
-    return {
-        "parameters": total,
-        "embedding_parameters": embedding,
-        "non_embedding_parameters": total - embedding - untied_head,
-        "active_parameters": int(round(active)),
-        "routed_expert_parameters": routed,
-    }
-
-
-def moe_routing(config) -> tuple[int | None, int | None]:
-    """(number of routed experts, experts selected per token) from a config, under their various names."""
-    text = text_config(config)
-    num_experts = _first_int(text, NUM_EXPERTS_NAMES)
-    top_k = _first_int(text, TOP_K_NAMES)
-    if not num_experts or num_experts < 2 or not top_k:
-        return None, None
-    return num_experts, top_k
-
-
-def routed_expert_parameters(model, num_experts: int | None) -> int:
-    """Parameters of the routed experts: those of a module named (or of a class named) `*expert*`, not
-    a shared expert, stacked with a leading dimension of `num_experts` or in a ModuleList of `num_experts`."""
-    import torch
-
-    if not num_experts:
-        return 0
-    seen, total = set(), 0
-    for name, module in model.named_modules():
-        names = f"{name.rsplit('.', 1)[-1]} {type(module).__name__}".lower()
-        if "expert" not in names or "shared" in names:
-            continue
-        if isinstance(module, torch.nn.ModuleList) and len(module) == num_experts:
-            candidates = list(module.parameters())
-        else:  # not recursing: a router's (num_experts, hidden) weight is not an expert
-            candidates = [p for p in module.parameters(recurse=False) if p.dim() and p.shape[0] == num_experts]
-        for p in candidates:
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
-    return total
-
-
-def text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _first_int(config, names) -> int | None:
-    """The first of `names` set to an int on the config or on a nested part of it (e.g. dbrx's ffn_config)."""
-    nested = [value for key, value in vars(config).items() if not key.startswith("_") and hasattr(value, "to_dict")]
-    for source in (config, *nested):
-        for name in names:
-            value = getattr(source, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    return None
-
-
-def architecture_facts(config) -> dict:
-    """Shape facts of models.parquet (docs/architecture.md), read from the text config."""
-    from pipeline.configs import context_length
-
-    text = text_config(config)
-    heads = _first_int(text, ("num_attention_heads", "n_head"))  # not num_heads: SSM heads in mamba2
-    hidden = _first_int(text, ("hidden_size", "n_embd", "d_model"))
-    kv_heads = _first_int(text, KV_HEADS_NAMES)
-    if kv_heads is None and heads:
-        kv_heads = 1 if getattr(text, "multi_query", False) else heads
-    head_dim = _first_int(text, ("head_dim",)) or (hidden // heads if hidden and heads else None)
-    num_experts, top_k = moe_routing(config)
-    return {
-        "num_hidden_layers": _first_int(text, ("num_hidden_layers", "n_layer", "num_layers")),
-        "hidden_size": hidden,
-        "intermediate_size": _first_int(text, ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "vocab_size": _first_int(text, ("vocab_size",)),
-        "context_length": context_length(config),
-        "tie_word_embeddings": bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))),
-        "attention_kind": attention_kind(text, heads, kv_heads),
-        "num_experts": num_experts,
-        "num_experts_per_tok": top_k,
-    }
-
-
-def attention_kind(text, heads: int | None, kv_heads: int | None) -> str:
-    if getattr(text, "kv_lora_rank", None):
-        return "mla"  # multi-head latent attention (DeepSeek-V2/V3 and kin)
-    if not heads:
-        return "none"  # state-space and recurrent models
-    if kv_heads == heads:
-        return "mha"
-    return "mqa" if kv_heads == 1 else "gqa"
 
 
 # --------------------------------------------------------------------------------------------
@@ -841,12 +724,12 @@ class ModelCounter:
 
 
 def build_uninitialised(config, device: str, dtype: str):
-    """pipeline.configs.build_model without initialising the weights (their values never matter
+    """pipeline.modeling.build_model without initialising the weights (their values never matter
     here; on meta this builds 2-5x faster), then tied as transformers' init_weights would tie them."""
     import torch
     from transformers.initialization import no_init_weights
 
-    from pipeline.configs import build_model
+    from pipeline.modeling import build_model
 
     with no_init_weights():
         model = build_model(config, device=device, dtype=getattr(torch, dtype))
@@ -1217,7 +1100,7 @@ def count(model: str | None = None, config: str | None = None, dtype: str = "flo
 
 
 def add_cli(subparsers) -> None:
-    from pipeline.cli import positive_int
+    from pipeline.arguments import positive_int
     from pipeline.configs import CONFIG_SOURCES
 
     stage = subparsers.add_parser("activations", help="count parameters and activations of every registry model")

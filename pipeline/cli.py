@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from pipeline.arguments import OneLineParser
 from pipeline.errors import UserError
 
 STAGE_MODULES = (
@@ -26,34 +27,11 @@ STAGE_MODULES = (
 )
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """Bad arguments get one line naming the problem and exit code 2 (no usage dump)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m pipeline", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for name in STAGE_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue  # stage not written yet
-        module.add_cli(subparsers)
+        importlib.import_module(name).add_cli(subparsers)
     return parser
 
 

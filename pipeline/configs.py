@@ -98,32 +98,6 @@ def resolve_config(entry: ModelEntry, mode: str = "auto", allow_remote_code: boo
                           dict(entry.config))
 
 
-def context_length(config) -> int | None:
-    """The longest position the model takes (None when it has no limit, e.g. state-space models)."""
-    text = getattr(config, "get_text_config", lambda: config)()
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len", "seq_length", "n_ctx"):
-        value = getattr(text, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def build_model(config, device: str = "meta", dtype=None, attn_implementation: str | None = None):
-    """A causal LM built from its config with no weights loaded (meta) or random weights on `device`.
-
-    trust_remote_code is never passed: only architectures in transformers itself are built.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"dtype": dtype or torch.float32}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
-    return model
-
-
 def resolve_model(model_id: str | None = None, config_path: str | None = None, mode: str = "auto",
                   registry_path=None, allow_remote_code: bool = False) -> ResolvedConfig:
     """The config for `--model ID` (registry entry, else the Hub) or `--config PATH`."""

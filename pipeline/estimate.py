@@ -201,8 +201,7 @@ def resolve_config(model=None, config=None):
 
 def count_parameters(config) -> tuple[int, int]:
     """(N, parameters active per token) of the model built from its config on the meta device."""
-    from pipeline.activations import parameter_counts
-    from pipeline.configs import build_model
+    from pipeline.modeling import build_model, parameter_counts
 
     try:
         counts = parameter_counts(build_model(config, "meta"), config)
@@ -418,7 +417,7 @@ def largest_batch(target, seq, precision, optimizer, checkpointing, method, coef
 
 
 def add_cli(subparsers) -> None:
-    from pipeline.cli import positive_int
+    from pipeline.arguments import positive_int
 
     parser = subparsers.add_parser("estimate", help="estimate the peak memory of a training step")
     source = parser.add_mutually_exclusive_group(required=True)

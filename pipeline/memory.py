@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from pipeline.errors import UserError
+from pipeline.modeling import build, context_length, count_parameters, vocabulary_size
 
 PRECISIONS = ("fp32", "bf16", "amp-bf16")
 OPTIMIZERS = ("adamw", "sgd")
@@ -87,40 +88,6 @@ def check_attention(attn: str) -> None:
         raise UserError(f"attn_implementation {attn!r} is not one of {', '.join(ATTENTIONS)}")
 
 
-def model_dtype(precision: str):
-    import torch
-
-    return torch.bfloat16 if precision == "bf16" else torch.float32
-
-
-def training_config(config):
-    """A copy of the config for training: use_cache off (also in a nested text config)."""
-    import copy
-
-    config = copy.deepcopy(config)
-    config.use_cache = False
-    text = getattr(config, "get_text_config", lambda: config)()
-    text.use_cache = False
-    return config
-
-
-def build(config, precision: str, attn: str = "default", device: str = "cuda"):
-    """The model with random weights directly on `device`, in the precision's dtype."""
-    from pipeline.configs import build_model
-
-    attn_implementation = None if attn == "default" else attn
-    return build_model(training_config(config), device=device, dtype=model_dtype(precision),
-                       attn_implementation=attn_implementation)
-
-
-def attn_used(model) -> str | None:
-    return getattr(model.config, "_attn_implementation", None)
-
-
-def count_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
-
-
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors`."""
     seen, total = set(), 0
@@ -148,11 +115,6 @@ def optimizer_state_bytes(optimizer, device: str) -> int:
     tensors = [value for state in optimizer.state.values() for value in state.values()
                if torch.is_tensor(value) and value.device.type == device]
     return storage_bytes(tensors)
-
-
-def vocabulary_size(model) -> int:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return min(config.vocab_size, model.get_input_embeddings().num_embeddings)
 
 
 class PhaseTracker:
@@ -393,7 +355,7 @@ def measure(record: dict, batch: int, seq: int, precision: str = "fp32", setting
 
     `record` is a configs.json record plus `model_id` (see `pipeline.sweep.model_record`).
     """
-    from pipeline.configs import config_from_dict, context_length
+    from pipeline.configs import config_from_dict
 
     check_precision(precision)
     check_attention(attn)
@@ -437,7 +399,7 @@ def finish_row(row: dict, **updates) -> dict:
 
 
 def add_cli(subparsers) -> None:
-    from pipeline.cli import positive_int
+    from pipeline.arguments import positive_int
 
     parser = subparsers.add_parser("measure", help="peak memory of one training point (CUDA; --device cpu to debug)")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -482,7 +444,7 @@ def _measure_command(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m pipeline.memory ...`: only this stage's commands (measure, sweep), so that the GPU
     machine does not depend on the other stages' imports."""
-    from pipeline.cli import OneLineParser
+    from pipeline.arguments import OneLineParser
 
     parser = OneLineParser(prog="python -m pipeline.memory")
     add_cli(parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser))

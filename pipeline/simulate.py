@@ -89,7 +89,7 @@ def _config_key(config) -> str:
 def cached_meta_model(config_json: str, precision: str, attn_implementation: str | None):
     """The model on the meta device (no weights), built once per (config, precision, attention)."""
     from pipeline.configs import config_from_dict
-    from pipeline.memory import build
+    from pipeline.modeling import build
 
     config = config_from_dict(json.loads(config_json))
     try:
@@ -247,7 +247,7 @@ def _optimizer_state(opt, device_type: str) -> list:
 def _token_ids(model, batch_size: int, seq_len: int, variant: str, device_type: str):
     import torch
 
-    from pipeline.memory import vocabulary_size
+    from pipeline.modeling import vocabulary_size
 
     vocab = BLOG_ID_RANGE if variant == "blog" else vocabulary_size(model)
     return torch.randint(0, vocab, (batch_size, seq_len), device=device_type)
@@ -265,7 +265,7 @@ def _loss(model, ids, variant: str):
 
 
 def add_cli(subparsers) -> None:
-    from pipeline.cli import positive_int
+    from pipeline.arguments import positive_int
 
     parser = subparsers.add_parser("simulate", help="predict the training-step peak memory without a GPU")
     source = parser.add_mutually_exclusive_group(required=True)

@@ -254,7 +254,7 @@ def model_facts(model_id: str, config) -> dict:
     """Parameters (counted on the meta device; None if it cannot be built there), the count the plan
     uses (the same, else a rough 12*layers*width^2 + 2*vocab*width), layers, width, vocabulary,
     context length, and use_cache as the config sets it (the blog's loop uses it)."""
-    from pipeline.configs import context_length
+    from pipeline.modeling import context_length
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = _first_int(text, ("num_hidden_layers", "n_layer", "num_layers")) or 1
@@ -275,8 +275,7 @@ def _first_int(config, names) -> int | None:
 
 
 def meta_parameters(config) -> int | None:
-    from pipeline.configs import build_model
-    from pipeline.memory import count_parameters, training_config
+    from pipeline.modeling import build_model, count_parameters, training_config
 
     try:
         return count_parameters(build_model(training_config(config), device="meta"))
@@ -558,7 +557,8 @@ def run_job(job: Job, parts_dir, device: str = "cuda", deadline: float | None = 
 def _measure_points(job, part, todo, base, device, deadline, estimate, retry_errors) -> None:
     import gc
 
-    from pipeline.memory import attn_used, build, count_parameters, first_line, measure_point, weights_bytes
+    from pipeline.memory import first_line, measure_point, weights_bytes
+    from pipeline.modeling import attn_used, build, count_parameters
 
     ooms = oom_points(read_rows(part))
     model, built = None, {}
@@ -934,7 +934,7 @@ def aggregate(parts_dir, out=DEFAULT_OUT):
 # --- command line ----------------------------------------------------------------------------------
 
 def add_cli(subparsers) -> None:
-    from pipeline.cli import positive_int
+    from pipeline.arguments import positive_int
 
     parser = subparsers.add_parser("sweep", help="peak-memory sweep on the GPU (a CPU machine reuses the table)")
     parser.add_argument("--plan", default=DEFAULT_PLAN)

@@ -49,7 +49,7 @@ def test_meta_hook_count_equals_a_real_cpu_forward():
     import torch
 
     from pipeline.activations import ModelCounter, hook_elements
-    from pipeline.configs import build_model
+    from pipeline.modeling import build_model
 
     config = registry_config("EleutherAI/pythia-14m")
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def test_saved_for_backward_on_meta_equals_a_real_cpu_training_forward():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from pipeline.activations import ModelCounter, saved_storages
-    from pipeline.configs import build_model
+    from pipeline.modeling import build_model
 
     config = registry_config("EleutherAI/pythia-14m")
     counter = ModelCounter(config)
@@ -104,7 +104,7 @@ def test_moe_model_counts():
 
 
 def test_moe_architecture_facts():
-    from pipeline.activations import architecture_facts
+    from pipeline.modeling import architecture_facts
 
     facts = architecture_facts(registry_config("Qwen/Qwen1.5-MoE-A2.7B"))
     assert (facts["num_experts"], facts["num_experts_per_tok"], facts["attention_kind"]) == (60, 4, "mha")

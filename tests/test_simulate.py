@@ -37,7 +37,7 @@ def run_step(facts: dict, device: str, precision: str, attn: str = "eager", **se
     import torch
 
     from pipeline.configs import config_from_dict
-    from pipeline.memory import build
+    from pipeline.modeling import build
     from pipeline.simulate import simulate_training_step
 
     torch.manual_seed(0)
@@ -79,7 +79,7 @@ def test_pythia_14m_components_at_the_optimizer_peak():
     with weights, grads, both moments and one AdamW intermediate per parameter alive (4 bytes per
     parameter each, counted in caching-allocator blocks, which are at least the bytes asked for)."""
     from pipeline.configs import config_from_dict
-    from pipeline.memory import build
+    from pipeline.modeling import build
     from pipeline.simulate import predict_peak
     from pipeline.simulate_rules import CUBLAS_WORKSPACES
 
