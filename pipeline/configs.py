@@ -101,7 +101,8 @@ def resolve_config(entry: ModelEntry, mode: str = "auto", allow_remote_code: boo
 def resolve_model(model_id: str | None = None, config_path: str | None = None, mode: str = "auto",
                   registry_path=None, allow_remote_code: bool = False) -> ResolvedConfig:
     """The config for `--model ID` (registry entry, else the Hub) or `--config PATH`."""
-    from pipeline.registry import DEFAULT_REGISTRY, load_registry
+    from pipeline.paths import DEFAULT_REGISTRY
+    from pipeline.registry import load_registry
 
     if bool(model_id) == bool(config_path):
         raise UserError("give exactly one of --model and --config")
@@ -159,14 +160,34 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def read_config_records(path) -> dict[str, dict]:
+    """configs.json, the configs stage's output: one record per model id (the one reader of it).
+
+    A record has family, model_type, facts_source, status (ok | skipped), reason, config_source,
+    config_revision and config (the config.json facts, None when skipped).
+    """
+    path = Path(path)
+    try:
+        records = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: not found (run `python -m pipeline configs` first)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"{path}: not a readable configs.json") from None
+    if not isinstance(records, dict):
+        raise UserError(f"{path}: not a configs.json (a JSON object by model id)")
+    return records
+
+
+def resolved_from_record(model_id: str, record: dict) -> ResolvedConfig:
+    """The ResolvedConfig of one ok configs.json record (its transformers config built now)."""
+    return ResolvedConfig(model_id, config_from_dict(record["config"], model_id), record["config_source"],
+                          record["config_revision"], record["config"])
+
+
 def load_configs(path) -> dict[str, ResolvedConfig]:
     """The configs stage's output, as ResolvedConfig per model id (ok rows only)."""
-    records = json.loads(Path(path).read_text())
-    return {
-        model_id: ResolvedConfig(model_id, config_from_dict(r["config"], model_id), r["config_source"],
-                                 r["config_revision"], r["config"])
-        for model_id, r in records.items() if r["status"] == "ok"
-    }
+    return {model_id: resolved_from_record(model_id, r)
+            for model_id, r in read_config_records(path).items() if r["status"] == "ok"}
 
 
 def add_cli(subparsers) -> None:

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from pipeline.errors import UserError
-from pipeline.modeling import build, context_length, count_parameters, vocabulary_size
+from pipeline.modeling import attn_used, build, context_length, count_parameters, vocabulary_size
 
 PRECISIONS = ("fp32", "bf16", "amp-bf16")
 OPTIMIZERS = ("adamw", "sgd")

@@ -13,9 +13,9 @@ from pathlib import Path
 import yaml
 
 from pipeline.errors import UserError
+from pipeline.paths import DEFAULT_REGISTRY
 
 SCHEMA_PATH = Path(__file__).with_name("models.schema.json")
-DEFAULT_REGISTRY = Path(__file__).resolve().parent.parent / "models.yaml"
 
 # Facts a config.json must state explicitly (under its own name or a transformers alias):
 # without them the model would silently take a library default.
@@ -109,22 +109,32 @@ def _describe(error, data) -> str:
 
 
 def _check_config_facts(name: str, index: int, item: dict) -> None:
+    check_shape_facts(item["config"], f"{name}: entry {index} ({item['id']})", field_prefix="config.")
+
+
+def check_shape_facts(facts: dict, label: str, field_prefix: str = "") -> None:
+    """The one config-shape check (registry entries, `--config` files): a known model_type, and
+    each shape fact its config class has stated (else transformers silently takes its defaults).
+
+    A fact the class does not have is not asked for (no attention heads in a state-space model);
+    a fact may be stated under the class's alias (gpt2's n_embd) or in a nested text_config.
+    """
     from transformers import CONFIG_MAPPING
 
-    label = f"{name}: entry {index} ({item['id']})"
-    config = item["config"]
-    model_type = config["model_type"]
+    model_type = facts.get("model_type")
+    if not model_type:
+        raise UserError(f"{label}: field '{field_prefix}model_type': missing")
     if model_type not in CONFIG_MAPPING:
-        raise UserError(f"{label}: field 'config.model_type': unknown model_type {model_type!r}")
+        raise UserError(f"{label}: field '{field_prefix}model_type': unknown model_type {model_type!r}")
     config_class = CONFIG_MAPPING[model_type]
     aliases = config_class.attribute_map
     defaults = config_class()
     for fact in REQUIRED_SHAPE_FACTS:
         if not hasattr(defaults, fact):
-            continue  # e.g. no attention heads in a state-space model
-        names = {fact, aliases.get(fact, fact)}  # e.g. gpt2 stores hidden_size as n_embd
-        if not names & config.keys() and not _nested_text_config_has(config, names):
-            raise UserError(f"{label}: field 'config.{fact}': missing")
+            continue
+        names = {fact, aliases.get(fact, fact)}
+        if not names & facts.keys() and not _nested_text_config_has(facts, names):
+            raise UserError(f"{label}: field '{field_prefix}{fact}': missing")
 
 
 def _nested_text_config_has(config: dict, names: set[str]) -> bool:
