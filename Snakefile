@@ -1,5 +1,5 @@
-# The workflow: models.yaml -> configs -> count -> (measure -> aggregate | committed peaks)
-#               -> fit -> validate -> figures -> dataset -> publish.
+# The workflow: models.yaml -> configs -> activations -> (sweep -> aggregate | committed peaks)
+#               -> (simulate_peaks | committed simulations) -> fit -> validate -> figures -> dataset -> publish.
 # Each rule calls one stage of `python -m pipeline`; the stages do the work.
 #   snakemake --cores 4                                   # everything, CPU-only machine
 #   snakemake --cores 4 --config registry=tests/data/models_small.yaml
@@ -43,7 +43,12 @@ rule all:
     default_target: True
 
 
+include: "rules/configs.smk"
 include: "rules/activations.smk"
-include: "rules/memory.smk"
+include: "rules/sweep.smk"
+include: "rules/simulate.smk"
 include: "rules/fit.smk"
-include: "rules/outputs.smk"
+include: "rules/validate.smk"
+include: "rules/figures.smk"
+include: "rules/dataset.smk"
+include: "rules/publish.smk"

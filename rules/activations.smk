@@ -1,22 +1,6 @@
-checkpoint configs:
-    input:
-        registry=config["registry"],
-    output:
-        configs=CONFIGS,
-    params:
-        source=config["config_source"],
-    log:
-        "logs/configs.log",
-    conda:
-        "../envs/pipeline.yaml"
-    benchmark:
-        "logs/benchmarks/configs.tsv"
-    shell:
-        "python -m pipeline configs --registry {input.registry:q} --out {output.configs:q}"
-        " --source {params.source} > {log:q} 2>&1"
+# Stage activations: hook counts and saved-for-backward bytes of every model on the meta device.
 
-
-rule count:
+rule activations:
     input:
         registry=config["registry"],
         configs=CONFIGS,
@@ -26,11 +10,11 @@ rule count:
     params:
         points=config["count_points"],
     log:
-        "logs/count.log",
+        "logs/activations.log",
     conda:
         "../envs/pipeline.yaml"
     benchmark:
-        "logs/benchmarks/count.tsv"
+        "logs/benchmarks/activations.tsv"
     threads: 8  # worker processes; Snakemake lowers it to --cores
     shell:
         "python -m pipeline activations --registry {input.registry:q} --configs {input.configs:q}"

@@ -1,7 +1,6 @@
 # Configuration and registry validation, the file names of the stage outputs, and the decisions
 # that depend on the machine (measure on a GPU or reuse the committed peak table).
 
-import json
 import os
 import shutil
 import subprocess
@@ -11,8 +10,10 @@ import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
+from pipeline.configs import read_config_records
 from pipeline.dataset import failure_report
 from pipeline.figures import expected_figures
+from pipeline.paths import ACTIVATIONS, COEFFICIENTS, CONFIGS, MODELS, PEAKS, SIMULATED, VALIDATION
 from pipeline.registry import SCHEMA_PATH as REGISTRY_SCHEMA
 from pipeline.registry import safe_name, validate_registry_data
 
@@ -48,14 +49,7 @@ wildcard_constraints:
 
 
 RESULTS = Path("results")
-CONFIGS = "results/configs.json"
-MODELS = "results/models.parquet"
-ACTIVATIONS = "results/activations.parquet"
-PEAKS = "results/peak_memory.parquet"
-COEFFICIENTS = "results/coefficients.json"
-VALIDATION = "results/validation.parquet"
 VALIDATION_SUMMARY = "results/validation_summary.md"
-SIMULATED = "results/simulated.parquet"
 DATASET_CARD = "results/dataset/README.md"
 PUBLISH_MANIFEST = "results/publish.json"
 
@@ -101,8 +95,8 @@ def measured_models(wildcards):
 
     Known once the configs checkpoint has run (a model without a config has nothing to measure).
     """
-    with open(checkpoints.configs.get().output.configs) as handle:
-        ok = {model for model, record in json.load(handle).items() if record["status"] == "ok"}
+    records = read_config_records(checkpoints.configs.get().output.configs)
+    ok = {model for model, record in records.items() if record["status"] == "ok"}
     return [
         f"results/peak_memory_parts/{safe_name(model)}.parquet"
         for model in plan_models()

@@ -75,8 +75,8 @@ def test_dry_run_reuses_committed_peaks_on_cpu(tmp_path):
     workdir = workflow_copy(tmp_path, with_peaks=True)
     workflow = dry_run(workdir, {"registry": SMALL_REGISTRY, "measure": "reuse"})
     rules = planned_rules(workflow)
-    assert {"configs", "count", "fit", "figures", "dataset", "publish", "all"} <= rules
-    assert not {"measure", "aggregate"} & rules  # nothing touches CUDA
+    assert {"configs", "activations", "fit", "figures", "dataset", "publish", "all"} <= rules
+    assert not {"sweep", "aggregate"} & rules  # nothing touches CUDA
     assert ("validate" in rules) == COMMITTED_PEAKS.exists()
     for job in workflow.dag.jobs:
         if job.rule.name != "all":
@@ -85,11 +85,11 @@ def test_dry_run_reuses_committed_peaks_on_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("points", ["blog", "standard"])
-def test_count_points_reach_the_count_command(tmp_path, points):
+def test_count_points_reach_the_activations_command(tmp_path, points):
     workdir = workflow_copy(tmp_path)
     workflow = dry_run(workdir, {"registry": SMALL_REGISTRY, "measure": "reuse", "count_points": points},
                        targets=["results/activations.parquet"])
-    (job,) = [job for job in workflow.dag.jobs if job.rule.name == "count"]
+    (job,) = [job for job in workflow.dag.jobs if job.rule.name == "activations"]
     assert job.params.points == points
     assert f"--points {points}" in job.shellcmd
 
@@ -105,7 +105,7 @@ def test_simulate_modes(tmp_path, mode, committed, simulate_job, exact):
     workdir = workflow_copy(tmp_path, with_peaks=True, with_simulated=committed)
     workflow = dry_run(workdir, {"registry": SMALL_REGISTRY, "measure": "reuse", "simulate": mode})
     jobs = {job.rule.name: job for job in workflow.dag.jobs}
-    assert ("simulate" in jobs) == simulate_job
+    assert ("simulate_peaks" in jobs) == simulate_job
     assert jobs["validate"].params.exact == ("--simulated results/simulated.parquet" if exact else "")
     assert ("results/simulated.parquet" in [str(f) for f in jobs["dataset"].input]) == exact
 
@@ -129,11 +129,11 @@ def test_an_unknown_count_point_set_is_refused(tmp_path):
 def test_dry_run_full_workflow_with_gpu_measurements(tmp_path):
     workdir = workflow_copy(tmp_path)
     workflow = dry_run(workdir, {"registry": SMALL_REGISTRY, "measure": "gpu"})
-    # measure jobs are known once the configs checkpoint ran; until then, every other stage is planned
-    assert {"configs", "count", "aggregate", "fit", "validate", "figures", "dataset", "publish"} <= planned_rules(workflow)
+    # sweep jobs are known once the configs checkpoint ran; until then, every other stage is planned
+    assert {"configs", "activations", "aggregate", "fit", "validate", "figures", "dataset", "publish"} <= planned_rules(workflow)
     workflow = dry_run(workdir, {"registry": SMALL_REGISTRY, "measure": "gpu"},
                        targets=["results/peak_memory_parts/openai-community--gpt2.parquet"])
-    (job,) = [job for job in workflow.dag.jobs if job.rule.name == "measure"]
+    (job,) = [job for job in workflow.dag.jobs if job.rule.name == "sweep"]
     assert job.params.model_id == "openai-community/gpt2"
     assert job.resources["gpu"] == 1
 
@@ -185,26 +185,26 @@ def test_default_workflow_profile_keeps_going(tmp_path):
     assert args.resources["gpu"].value == 1  # one GPU job at a time on a local machine
 
 
-def test_slurm_profile_gives_the_measure_rule_one_gpu(tmp_path):
+def test_slurm_profile_gives_the_sweep_rule_one_gpu(tmp_path):
     workdir = workflow_copy(tmp_path)
     workflow = dry_run(workdir, {"registry": SMALL_REGISTRY}, profile_args=["--profile", "profiles/slurm"],
                        targets=["results/peak_memory_parts/Qwen--Qwen2.5-0.5B.parquet"])
     assert workflow.config["measure"] == "gpu"  # from the profile's config file
-    (job,) = [job for job in workflow.dag.jobs if job.rule.name == "measure"]
+    (job,) = [job for job in workflow.dag.jobs if job.rule.name == "sweep"]
     assert job.resources["gpu"] == 1
     assert job.resources["mem_mb"] == 64000
     assert job.resources["runtime"] == 120
     assert job.resources["slurm_partition"] == "gpu"
     assert workflow.resource_scopes.is_local("gpu")  # the local gpu=1 limit does not throttle the cluster
     local = workflow._localrules  # a dry run executes locally, so is_local() says yes to every rule
-    assert {"configs", "fit", "dataset", "publish"} <= local and "measure" not in local
+    assert {"configs", "fit", "dataset", "publish"} <= local and "sweep" not in local
     slurm = pytest.importorskip("snakemake_executor_plugin_slurm.utils")
     assert slurm.set_gres_string(job).strip() == "--gpus=1"
 
 
 @pytest.mark.slow
 def test_real_run_on_a_small_registry(tmp_path):
-    """configs -> count -> fit -> (validate) -> figures -> dataset -> publish (dry run), for real,
+    """configs -> activations -> fit -> (validate) -> figures -> dataset -> publish (dry run), for real,
     with one model that cannot be built (it needs remote code): it becomes a row, the rest goes on."""
     import pandas as pd
     import yaml
@@ -234,11 +234,11 @@ def test_real_run_on_a_small_registry(tmp_path):
     assert (results / "dataset" / "README.md").read_text().startswith("---\n")
     assert len(list((results / "figures").glob("*.png"))) >= 3
     assert '"dry_run": true' in (results / "publish.json").read_text()
-    for rule in ("configs", "count", "fit", "figures", "dataset", "publish"):
+    for rule in ("configs", "activations", "fit", "figures", "dataset", "publish"):
         assert (workdir / "logs" / f"{rule}.log").exists(), rule
         assert (workdir / "logs" / "benchmarks" / f"{rule}.tsv").exists(), rule
     assert f"configs: {len(MODELS) + 1} models" in (workdir / "logs" / "configs.log").read_text()
-    assert f"activations: {len(MODELS) + 1}/{len(MODELS) + 1}" in (workdir / "logs" / "count.log").read_text()
+    assert f"activations: {len(MODELS) + 1}/{len(MODELS) + 1}" in (workdir / "logs" / "activations.log").read_text()
 
     report = subprocess.run([*command, "--report", "report.html"], cwd=workdir, capture_output=True, text=True,
                             env=offline_env(), timeout=300)

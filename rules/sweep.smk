@@ -1,4 +1,4 @@
-# CUDA peaks, measure=gpu: one job per model of the sweep plan (its own processes, one GPU),
+# Stage sweep (CUDA peaks), measure=gpu: one job per model of the sweep plan (its own processes, one GPU),
 # then aggregate. The sweep keeps one resumable part file per (model, precision, attention) in
 # results/peak_memory_parts/. measure=reuse: no rule here; the committed peak table is an input.
 
@@ -7,7 +7,7 @@ if MEASURE == "gpu":
     localrules:
         aggregate,
 
-    rule measure:
+    rule sweep:
         input:
             plan=config["sweep_plan"],
             configs=CONFIGS,
@@ -19,11 +19,11 @@ if MEASURE == "gpu":
             parts=lambda wildcards, output: os.path.dirname(output.table),
             extra=config["measure_args"],
         log:
-            "logs/measure/{model}.log",
+            "logs/sweep/{model}.log",
         conda:
             "../envs/pipeline.yaml"
         benchmark:
-            "logs/benchmarks/measure/{model}.tsv"
+            "logs/benchmarks/sweep/{model}.tsv"
         resources:
             gpu=1,
             mem_mb=64000,

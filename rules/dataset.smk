@@ -1,0 +1,25 @@
+# Stage dataset: one parquet per subset and the dataset card.
+
+rule dataset:
+    input:
+        unpack(peak_inputs),
+        unpack(simulated_inputs),
+        models=MODELS,
+        activations=ACTIVATIONS,
+        coefficients=COEFFICIENTS,
+        validation=VALIDATION if HAVE_PEAKS else [],
+        validation_summary=VALIDATION_SUMMARY if HAVE_PEAKS else [],
+        figures=[figure_path(name) for name in FIGURES],
+    output:
+        card=DATASET_CARD,
+    params:
+        repo=config["publish_repo"],
+    log:
+        "logs/dataset.log",
+    conda:
+        "../envs/pipeline.yaml"
+    benchmark:
+        "logs/benchmarks/dataset.tsv"
+    shell:
+        "python -m pipeline dataset --results results --out results/dataset --repo {params.repo:q}"
+        " > {log:q} 2>&1"

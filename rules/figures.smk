@@ -1,0 +1,29 @@
+# Stage figures.
+
+rule figures:
+    input:
+        unpack(peak_inputs),
+        models=MODELS,
+        activations=ACTIVATIONS,
+        coefficients=COEFFICIENTS,
+        validation=VALIDATION if HAVE_PEAKS else [],
+    output:
+        **{
+            name: report(
+                figure_path(name),
+                caption=f"../report/{name}.rst",
+                category="Figures",
+            )
+            for name in FIGURES
+        },
+    params:
+        names=" ".join(FIGURES),
+    log:
+        "logs/figures.log",
+    conda:
+        "../envs/pipeline.yaml"
+    benchmark:
+        "logs/benchmarks/figures.tsv"
+    shell:
+        "python -m pipeline figures --results results --out results/figures --only {params.names}"
+        " > {log:q} 2>&1"
