@@ -4,75 +4,22 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-REGISTRY = REPO / "models.yaml"
-COMMITTED_PEAKS = REPO / "results" / "peak_memory.parquet"
-# The quickest models to count, of two families: enough for a fit with leave-one-family-out.
-MODELS = ("EleutherAI/pythia-14m", "EleutherAI/pythia-70m", "distilbert/distilgpt2", "openai-community/gpt2")
+from conftest import COMMITTED_PEAKS, MODELS, offline_env, pipeline
+
 FAKE_TOKEN = "hf_ThisIsAFakeTokenThatMustNeverBePrinted42"
 # The real stages (configs, activations, fit, validate, figures) run once for the session: ~1-2 min.
 pytestmark = pytest.mark.slow
 
 
-def pipeline(*args, cwd, env=None, check=True):
-    result = subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=cwd, capture_output=True,
-                            text=True, env=env or offline_env(), timeout=600)
-    if check:
-        assert result.returncode == 0, result.stdout + result.stderr
-    return result
-
-
-def offline_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", AVP_GIT_COMMIT="test-dataset")
-    env.update(extra)
-    return env
-
-
-def write_tiny_registry(path: Path) -> Path:
-    """The entries of MODELS, copied from the project's registry."""
-    registry = yaml.safe_load(REGISTRY.read_text())
-    registry["models"] = [m for m in registry["models"] if m["id"] in MODELS]
-    assert len(registry["models"]) == len(MODELS)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(registry, sort_keys=False))
-    return path
-
-
-def stage_results(root: Path) -> Path:
-    """results/ made by the real stages: configs, activations, fit (and validate on the committed
-    peaks), figures. Made once per test session (test_figures uses it too)."""
-    results = root / "results"
-    if (results / "figures").is_dir():
-        return results
-    write_tiny_registry(root / "models.yaml")
-    pipeline("configs", "--registry", "models.yaml", "--out", "results/configs.json", "--source", "embedded", cwd=root)
-    pipeline("activations", "--registry", "models.yaml", "--configs", "results/configs.json",
-             "--models-out", "results/models.parquet", "--activations-out", "results/activations.parquet", cwd=root)
-    pipeline("fit", "--models", "results/models.parquet", "--activations", "results/activations.parquet",
-             "--out", "results/coefficients.json", "--resamples", "200", cwd=root)
-    if COMMITTED_PEAKS.exists():
-        shutil.copyfile(COMMITTED_PEAKS, results / "peak_memory.parquet")
-        pipeline("validate", "--peaks", "results/peak_memory.parquet", "--coefficients", "results/coefficients.json",
-                 "--configs", "results/configs.json", "--out", "results/validation.parquet", cwd=root)
-    pipeline("figures", "--results", "results", "--out", "results/figures", cwd=root)
-    return results
-
-
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.getbasetemp() / "stage-results"
-    stage_results(root)
+def built(staged_results):
+    root = staged_results.parent
     pipeline("dataset", "--results", "results", "--out", "results/dataset", "--repo", "someone/avp-test", cwd=root)
     return root
 

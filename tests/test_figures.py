@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_dataset import COMMITTED_PEAKS, pipeline, stage_results
+from conftest import COMMITTED_PEAKS, pipeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # The real stages (configs, activations, fit, validate, figures) run once for the session: ~1-2 min.
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> Path:
-    return stage_results(tmp_path_factory.getbasetemp() / "stage-results")
+def results(staged_results) -> Path:
+    return staged_results
 
 
 def png_size(path: Path) -> tuple[int, int]:

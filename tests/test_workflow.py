@@ -209,7 +209,7 @@ def test_real_run_on_a_small_registry(tmp_path):
     import pandas as pd
     import yaml
 
-    from test_dataset import MODELS, write_tiny_registry
+    from conftest import MODELS, write_tiny_registry
 
     workdir = workflow_copy(tmp_path, with_peaks=True)
     registry_path = write_tiny_registry(workdir / "tests" / "data" / "tiny.yaml")

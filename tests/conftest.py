@@ -1,0 +1,68 @@
+"""What several test modules share: the repository's paths, the offline environment of a
+subprocess, the `python -m pipeline` runner, a tiny registry of the quickest models, and the
+real stage outputs (configs, activations, fit, validate, figures) made once per session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+REGISTRY = REPO / "models.yaml"
+COMMITTED_PEAKS = REPO / "results" / "peak_memory.parquet"
+# The quickest models to count, of two families: enough for a fit with leave-one-family-out.
+MODELS = ("EleutherAI/pythia-14m", "EleutherAI/pythia-70m", "distilbert/distilgpt2", "openai-community/gpt2")
+
+def pipeline(*args, cwd, env=None, check=True):
+    result = subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=cwd, capture_output=True,
+                            text=True, env=env or offline_env(), timeout=600)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def offline_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", AVP_GIT_COMMIT="test-dataset")
+    env.update(extra)
+    return env
+
+
+def write_tiny_registry(path: Path) -> Path:
+    """The entries of MODELS, copied from the project's registry."""
+    registry = yaml.safe_load(REGISTRY.read_text())
+    registry["models"] = [m for m in registry["models"] if m["id"] in MODELS]
+    assert len(registry["models"]) == len(MODELS)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(registry, sort_keys=False))
+    return path
+
+
+def stage_results(root: Path) -> Path:
+    """results/ made by the real stages: configs, activations, fit (and validate on the committed
+    peaks), figures. Made once per test session (test_figures uses it too)."""
+    results = root / "results"
+    write_tiny_registry(root / "models.yaml")
+    pipeline("configs", "--registry", "models.yaml", "--out", "results/configs.json", "--source", "embedded", cwd=root)
+    pipeline("activations", "--registry", "models.yaml", "--configs", "results/configs.json",
+             "--models-out", "results/models.parquet", "--activations-out", "results/activations.parquet", cwd=root)
+    pipeline("fit", "--models", "results/models.parquet", "--activations", "results/activations.parquet",
+             "--out", "results/coefficients.json", "--resamples", "200", cwd=root)
+    if COMMITTED_PEAKS.exists():
+        shutil.copyfile(COMMITTED_PEAKS, results / "peak_memory.parquet")
+        pipeline("validate", "--peaks", "results/peak_memory.parquet", "--coefficients", "results/coefficients.json",
+                 "--configs", "results/configs.json", "--out", "results/validation.parquet", cwd=root)
+    pipeline("figures", "--results", "results", "--out", "results/figures", cwd=root)
+    return results
+
+
+@pytest.fixture(scope="session")
+def staged_results(tmp_path_factory) -> Path:
+    """results/ of the real stages on the tiny registry (about 1-2 minutes, once per session)."""
+    return stage_results(tmp_path_factory.getbasetemp() / "stage-results")
