@@ -59,7 +59,7 @@ def simulate(peaks, configs_path, out_path, workers=1):
     """simulate-peaks on (a subset of) the measured table."""
     import tempfile
 
-    from pipeline.simulate import simulate_peaks
+    from pipeline.simulate.peaks import simulate_peaks
 
     with tempfile.TemporaryDirectory() as folder:
         subset = Path(folder) / "peaks.parquet"

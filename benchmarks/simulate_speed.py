@@ -34,7 +34,7 @@ def main(argv=None) -> int:
 
     from pipeline.configs import resolve_config
     from pipeline.registry import load_registry
-    from pipeline.simulate import cached_meta_model, predict_peak
+    from pipeline.simulate.predict import cached_meta_model, predict_peak
 
     entries = {e.id: e for e in load_registry(args.registry, check_model_types=False)}
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, threads {torch.get_num_threads()}")

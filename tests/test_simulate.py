@@ -38,7 +38,7 @@ def run_step(facts: dict, device: str, precision: str, attn: str = "eager", **se
 
     from pipeline.configs import config_from_dict
     from pipeline.modeling import build
-    from pipeline.simulate import simulate_training_step
+    from pipeline.simulate.step import simulate_training_step
 
     torch.manual_seed(0)
     model = build(config_from_dict(facts), precision, attn, device=device)
@@ -81,7 +81,7 @@ def test_pythia_14m_components_at_the_optimizer_peak():
     from pipeline.configs import config_from_dict
     from pipeline.modeling import build
     from pipeline.simulate import predict_peak
-    from pipeline.simulate_rules import CUBLAS_WORKSPACES
+    from pipeline.simulate.kernels import CUBLAS_WORKSPACES
 
     facts = small_facts("EleutherAI/pythia-14m")
     model = build(config_from_dict(facts), "fp32", device="meta")
@@ -99,10 +99,11 @@ def test_pythia_14m_components_at_the_optimizer_peak():
 def test_meta_output_cache_changes_nothing(monkeypatch):
     """The cache of meta-kernel outputs is a speed-up only: cold, warm and without it, the same bytes
     (it must not turn a view, e.g. _unsafe_view, into a fresh storage)."""
-    import pipeline.simulate_tracker as tracker
+    import pipeline.simulate.tracker as tracker
     from pipeline.simulate import predict_peak
+    from pipeline.simulate.output_cache import MetaOutputCache
 
-    monkeypatch.setattr(tracker, "SHARED_OUTPUT_CACHE", tracker.MetaOutputCache())
+    monkeypatch.setattr(tracker, "SHARED_OUTPUT_CACHE", MetaOutputCache())
     facts = dict(TINY_LLAMA, num_hidden_layers=3)
     cold = predict_peak(facts, 2, 48, "amp-bf16", gradient_checkpointing=True)
     warm = predict_peak(facts, 2, 48, "amp-bf16", gradient_checkpointing=True)
@@ -122,7 +123,7 @@ def test_meta_output_cache_changes_nothing(monkeypatch):
 def test_sdpa_kernel_choice_follows_cuda_rules():
     import torch
 
-    from pipeline.simulate_rules import choose_sdpa_backend
+    from pipeline.simulate.sdpa import choose_sdpa_backend
 
     def qkv(dtype, heads=8, kv_heads=8, head_dim=64):
         q = torch.empty(2, heads, 16, head_dim, dtype=dtype, device="meta")
@@ -224,7 +225,7 @@ def test_simulate_peaks_stage(tmp_path):
     past a model without config."""
     import pandas as pd
 
-    from pipeline.simulate import simulate_peaks
+    from pipeline.simulate.peaks import simulate_peaks
 
     facts = small_facts("EleutherAI/pythia-14m")
     configs = tmp_path / "configs.json"
@@ -271,3 +272,30 @@ def test_predictions_match_measured_h200_peaks_for_small_models():
     errors.sort()
     assert errors[len(errors) // 2] <= 0.03
     assert errors[-1] <= 0.10
+
+
+# ----------------------------------------------------------------------------- the autocast emulation
+
+
+def test_cuda_autocast_alone_casts_a_plain_meta_forward():
+    """pipeline.autocast.CudaAutocast without the simulator: matmuls in bf16, reductions and
+    losses in fp32, one bf16 copy of a weight per forward (the cast cache), nothing outside."""
+    import torch
+
+    from pipeline.autocast import CudaAutocast
+
+    linear = torch.nn.Linear(8, 8, device="meta")
+    x = torch.empty(2, 8, device="meta")
+    emulation = CudaAutocast(device_type="meta")
+    casts = []
+    with emulation.autocast(torch.bfloat16):
+        first = linear(x)
+        casts.append(next(iter(emulation.cast_cache.values()))[1])
+        second = linear(x)
+        casts.append(next(iter(emulation.cast_cache.values()))[1])
+        total = first.sum()
+        loss = torch.nn.functional.cross_entropy(first, torch.zeros(2, dtype=torch.long, device="meta"))
+    assert first.dtype == second.dtype == torch.bfloat16
+    assert total.dtype == loss.dtype == torch.float32
+    assert casts[0] is casts[1] and len(emulation.cast_cache) == 0  # cleared when the forward ends
+    assert not emulation.active() and linear(x).dtype == torch.float32

@@ -25,6 +25,12 @@ def round_size(nbytes: int) -> int:
     return MIN_BLOCK if nbytes < MIN_BLOCK else -(-nbytes // MIN_BLOCK) * MIN_BLOCK
 
 
+def allocated_bytes(nbytes: int) -> int:
+    """Bytes one request adds to `torch.cuda.memory_allocated` without block reuse (0 bytes
+    allocate nothing)."""
+    return round_size(nbytes) if nbytes > 0 else 0
+
+
 def segment_size(size: int) -> int:
     if size <= SMALL_SIZE:
         return SMALL_SEGMENT

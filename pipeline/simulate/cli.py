@@ -1,0 +1,73 @@
+"""The simulator's sub-commands: `simulate` (one point) and `simulate-peaks` (the stage)."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.paths import CONFIGS, PEAKS, SIMULATED
+from pipeline.arguments import positive_int
+from pipeline.simulate.predict import ATTENTIONS
+from pipeline.vocabulary import OPTIMIZERS, PRECISIONS, VARIANTS
+
+
+def add_cli(subparsers) -> None:
+    parser = subparsers.add_parser("simulate", help="predict the training-step peak memory without a GPU")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="model id (registry entry or the Hub)")
+    source.add_argument("--config", help="a Hugging Face config.json")
+    parser.add_argument("--batch", type=positive_int, required=True)
+    parser.add_argument("--seq", type=positive_int, required=True)
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--attn-implementation", choices=ATTENTIONS, default="default")
+    parser.add_argument("--variant", choices=VARIANTS, default="standard")
+    parser.add_argument("--configs", default=CONFIGS,
+                        help="output of `pipeline configs`, looked up first for --model")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(handler=_simulate_command)
+
+    stage = subparsers.add_parser("simulate-peaks", help="simulate every point of the measured peak table")
+    stage.add_argument("--peaks", default=PEAKS)
+    stage.add_argument("--configs", default=CONFIGS)
+    stage.add_argument("--out", default=SIMULATED)
+    stage.add_argument("--workers", type=positive_int, default=1, help="processes (models are spread over them)")
+    stage.set_defaults(handler=_simulate_peaks_command)
+
+
+def _simulate_command(args) -> int:
+    from pipeline.simulate.predict import predict_peak
+
+    resolved = _resolve(args.model, args.config, args.configs)
+    result = predict_peak(resolved.config, args.batch, args.seq, args.precision, args.optimizer,
+                          args.checkpointing, args.attn_implementation, args.variant)
+    result.update(model_id=resolved.model_id, config_source=resolved.source, config_revision=resolved.revision)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{resolved.model_id} {args.precision} B={args.batch} L={args.seq}: "
+              f"peak {result['peak_bytes'] / 2**30:.3f} GiB in {result['peak_phase']} ({result['seconds']:.2f} s)")
+    return 0
+
+
+def _resolve(model_id, config_path, configs_path):
+    """--config PATH, or --model ID from configs.json when it has it, else the registry or the Hub."""
+    from pathlib import Path
+
+    from pipeline.configs import resolve_model, resolved_from_record
+    from pipeline.simulate.peaks import ok_config_records
+
+    if model_id and not config_path and Path(configs_path).exists():
+        record = ok_config_records(configs_path).get(model_id)
+        if record is not None:
+            return resolved_from_record(model_id, record)
+    return resolve_model(model_id, config_path)
+
+
+def _simulate_peaks_command(args) -> int:
+    from pipeline.simulate.peaks import simulate_peaks
+
+    frame = simulate_peaks(args.peaks, args.configs, args.out, args.workers)
+    counts = frame["simulate_status"].value_counts().to_dict()
+    print(f"simulate-peaks: {len(frame)} points -> {args.out} ({', '.join(f'{k}: {v}' for k, v in counts.items())})")
+    return 0

@@ -1,0 +1,132 @@
+"""The standard training step (`pipeline.step`) run under the live-byte tracker and CUDA's rules.
+
+The loop is DESIGN.md's (and `pipeline.memory`'s): a peak per phase (forward, backward, optimizer),
+the maximum over three steps. Steps 2 and 3 are alike: they differ from step 1 by the optimizer
+state that exists from step 1 on (and the previous step's loss). So one forward and backward is
+run, then two optimizer steps: forward and backward peaks of step 2 are those of step 1 plus the
+state; the optimizer peak is the larger of the two optimizer steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from pipeline.simulate.allocator import CachingAllocator, allocated_bytes
+from pipeline.step import Setting, make_optimizer, set_training_mode, token_ids, training_loss, zero_grad
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def simulate_training_step(model, batch_size: int, seq_len: int, precision: str = "fp32", optimizer: str = "adamw",
+                           gradient_checkpointing: bool = False, variant: str = "standard",
+                           device_type: str = "meta", cuda_rules: bool = True, blocks: bool = True) -> dict:
+    """Run the training step of `model` (on `device_type`) under the live-byte tracker.
+
+    `device_type="cpu"` with real weights runs the same step for real (the tests compare both).
+    `cuda_rules=False` leaves SDPA to the device's own choice. `blocks=False` counts requests
+    rounded to 512 bytes instead of the caching allocator's blocks.
+    """
+    import torch
+
+    from pipeline.simulate.kernels import CUBLAS_WORKSPACES, host_outputs, workspace_rules
+    from pipeline.simulate.rules import KernelRules
+    from pipeline.simulate.stand_ins import UniformValues, scalar_stand_ins
+    from pipeline.simulate.tracker import LiveBytesTracker
+
+    setting = Setting(variant, optimizer, gradient_checkpointing)
+    rules = KernelRules(device_type, sdpa=cuda_rules)
+    meta = device_type == "meta"
+    tracker = LiveBytesTracker(device_type, workspace_rules() if cuda_rules else None,
+                               scalar_stand_ins() if meta else None, UniformValues() if meta else None,
+                               CachingAllocator() if blocks else None, host_outputs() if cuda_rules else None)
+    set_training_mode(model, setting)
+    if gradient_checkpointing:
+        rules.wrap_checkpointing(model)
+    params = list(model.parameters())
+    for tensor in params + list(model.buffers()):
+        tracker.track(tensor, "parameters")
+    workspaces = [torch.empty(size, dtype=torch.uint8, device=device_type) for size in CUBLAS_WORKSPACES]
+    for workspace in workspaces if cuda_rules else ():
+        tracker.track(workspace, "activations")
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradients"))
+             for p in params if p.requires_grad]
+    opt = make_optimizer(params, setting, foreach=True)  # CUDA's default; meta tensors have none
+    saved = SavedTensors(params)
+    amp = rules.autocast(torch.bfloat16) if precision == "amp-bf16" else contextlib.nullcontext()
+    try:
+        with rules, tracker:
+            tracker.start_phase("forward", "activations")
+            ids = token_ids(model, batch_size, seq_len, setting, device_type)
+            with saved.hooks(), amp:
+                loss = training_loss(model, ids, setting)
+            saved_bytes = saved.bytes()
+            tracker.observer = None  # data-dependent questions are asked in the forward only
+            tracker.start_phase("backward", "activations")
+            loss.backward()
+            tracker.start_phase("optimizer", "optimizer_intermediates")
+            opt.step()
+            state = optimizer_state(opt, device_type)
+            for tensor in state:
+                tracker.retag(tensor, "optimizer_state")
+            step1 = tracker.peaks.pop("optimizer")
+            tracker.start_phase("optimizer", "optimizer_intermediates")
+            opt.step()
+            zero_grad(opt, setting)
+            tracker.phase = None
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.zero_grad(set_to_none=True)
+    state_bytes = tracker.bytes_of(state)
+    state_raw_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in state
+                           if tracker.bytes_of([t])}.values())  # not AdamW's step counters (host scalars)
+    loss_bytes = allocated_bytes(loss.untyped_storage().nbytes()) if loss.device.type == device_type else 0
+    result = summarise(tracker.peaks, step1, state_bytes, loss_bytes, saved_bytes)
+    result["optimizer_state_bytes"] = state_raw_bytes  # as pipeline.memory reports it: storage bytes
+    return result
+
+
+def summarise(peaks, optimizer_step1, state_bytes, loss_bytes, saved_bytes) -> dict:
+    """Phase peaks over the three steps, and the components at the overall peak."""
+    later = {"forward": state_bytes + loss_bytes, "backward": state_bytes, "optimizer": 0}
+    if optimizer_step1.total > peaks["optimizer"].total:
+        peaks["optimizer"] = optimizer_step1
+    phase_peaks, parts = {}, {}
+    for phase in PHASES:
+        snap = peaks[phase]
+        phase_peaks[phase] = snap.total + later[phase]
+        parts[phase] = dict(snap.parts)
+        parts[phase]["optimizer_state"] += state_bytes if later[phase] else 0
+        parts[phase]["activations"] += later[phase] - (state_bytes if later[phase] else 0)
+    top = max(PHASES, key=lambda p: phase_peaks[p])
+    return {"peak_bytes": phase_peaks[top], "components": parts[top], "peak_phase": top,
+            "phase_peaks": phase_peaks, "saved_bytes": saved_bytes, "optimizer_state_bytes": state_bytes}
+
+
+class SavedTensors:
+    """Distinct storages that autograd saves during the forward (parameters excluded), raw bytes."""
+
+    def __init__(self, params):
+        self.params = {id(p.untyped_storage()) for p in params}
+        self.storages = {}
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if id(storage) not in self.params:
+            self.storages[id(storage)] = storage.nbytes()
+        return tensor
+
+    def hooks(self):
+        import torch
+
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+def optimizer_state(opt, device_type: str) -> list:
+    import torch
+
+    return [v for state in opt.state.values() for v in state.values()
+            if torch.is_tensor(v) and v.device.type == device_type]

@@ -1,0 +1,180 @@
+"""Live-byte accounting of a training step, the way the CUDA caching allocator counts it.
+
+`LiveBytesTracker` is a TorchDispatchMode: every storage that an op creates on the tracked device
+is counted (rounded up like `torch.cuda.max_memory_allocated` counts blocks) until its last
+reference goes (a weakref callback on the storage, as in torch.distributed._tools.MemTracker).
+It keeps the running peak, per phase, with the bytes split by role at the peak moment.
+
+`workspace_rules` ({aten overload: fn(args, kwargs, out) -> [bytes, ...]}) add the scratch space
+that kernels allocate inside one op (invisible on the meta device); `stand_ins` ({aten overload:
+fn(func, args, kwargs) -> out}) replace ops, e.g. to answer data-dependent questions (`.item()`)
+that the meta device cannot; `observer(func, args, kwargs, out)` sees every op; `allocator` (an
+`allocator.CachingAllocator`) counts blocks the way the CUDA caching allocator does instead of
+requests rounded to 512 bytes; `host_outputs` ({op: fn(args, kwargs) -> output indices}) names
+outputs that CUDA keeps on the host.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pipeline.simulate.allocator import allocated_bytes
+from pipeline.simulate.output_cache import SHARED_OUTPUT_CACHE
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "optimizer_intermediates", "activations")
+
+
+@dataclass
+class Snapshot:
+    """Live bytes at one moment: the total, split by role, and the allocation count then."""
+
+    total: int = 0
+    parts: dict = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    seq: int = -1
+
+
+def _host_scalar_ops() -> frozenset:
+    """Ops that make 0-dim tensors from Python numbers: on CUDA they stay on the host (AdamW's
+    `step` counters, masks' fill values), so a real CPU run must not count them either."""
+    aten = torch.ops.aten
+    return frozenset({aten.lift_fresh.default, aten.scalar_tensor.default})
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    """Live bytes on `device_type` by role, and their peak per phase (see the module docstring)."""
+
+    def __init__(self, device_type: str, workspace_rules: dict | None = None, stand_ins: dict | None = None,
+                 observer=None, allocator=None, host_outputs=None):
+        super().__init__()
+        self.observer = observer
+        self.allocator = allocator
+        self.host_outputs = host_outputs or {}
+        self.device_type = device_type
+        self.workspace_rules = workspace_rules or {}
+        self.stand_ins = stand_ins or {}
+        self.untracked_ops = _host_scalar_ops() if device_type == "cpu" else ()
+        self.output_cache = SHARED_OUTPUT_CACHE if device_type == "meta" else None
+        self.entries = {}  # id(storage) -> [weakref, bytes, category, seq, address]
+        self.parts = dict.fromkeys(CATEGORIES, 0)
+        self.live = 0
+        self.seq = 0
+        self.category = "activations"
+        self.phase = None
+        self.peaks = {}  # "total" and each phase name -> Snapshot
+
+    # -- accounting -------------------------------------------------------------------------
+    def track(self, tensor, category: str | None = None) -> None:
+        """Count `tensor`'s storage from now until it is freed (no-op if already counted).
+
+        Storages that exist before the step (weights) are allocated in the order given, as
+        the model's build allocated them."""
+        if tensor.device.type != self.device_type:
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        entry = self.entries.get(key)
+        if entry is not None:
+            self._resized(entry, storage.nbytes())
+            return
+        address, size = self._malloc(storage.nbytes())
+        category = category or self.category
+        self.seq += 1
+        ref = weakref.ref(storage, partial(self._freed, key))
+        self.entries[key] = [ref, size, category, self.seq, address]
+        self.parts[category] += size
+        self.live += size
+
+    def _malloc(self, nbytes: int):
+        if self.allocator is None or nbytes <= 0:
+            return None, allocated_bytes(nbytes)
+        return self.allocator.malloc(nbytes)
+
+    def _resized(self, entry, nbytes: int) -> None:
+        """A storage that an op grew in place (`resize_`, `out=` arguments)."""
+        if allocated_bytes(nbytes) <= entry[1]:
+            return  # storages only grow; a grown one is a new block (the old one freed after the copy)
+        address, size = self._malloc(nbytes)
+        if entry[4] is not None:
+            self.allocator.free(entry[4])
+        self.parts[entry[2]] += size - entry[1]
+        self.live += size - entry[1]
+        entry[1], entry[4] = size, address
+
+    def _freed(self, key, _ref) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.parts[entry[2]] -= entry[1]
+            self.live -= entry[1]
+            if entry[4] is not None:
+                self.allocator.free(entry[4])
+
+    def retag(self, tensor, category: str) -> None:
+        """Give a counted storage another role (a gradient, an optimizer moment).
+
+        Peaks recorded after the storage was created had it under its old role; they are
+        corrected too, since a storage alive now and created before a peak was alive then.
+        """
+        entry = self.entries.get(id(tensor.untyped_storage()))
+        if entry is None or entry[2] == category:
+            return
+        size, old, seq = entry[1], entry[2], entry[3]
+        for snap in self.peaks.values():
+            if snap.seq >= seq:
+                snap.parts[old] -= size
+                snap.parts[category] += size
+        self.parts[old] -= size
+        self.parts[category] += size
+        entry[2] = category
+
+    def bytes_of(self, tensors) -> int:
+        """Counted bytes of the distinct storages of `tensors`."""
+        seen = {}
+        for t in tensors:
+            entry = self.entries.get(id(t.untyped_storage()))
+            if entry is not None:
+                seen[id(entry)] = entry[1]
+        return sum(seen.values())
+
+    def note_peak(self, extra: int = 0) -> None:
+        total = self.live + extra
+        for name in ("total", self.phase):
+            if name is None:
+                continue
+            snap = self.peaks.get(name)
+            if snap is None or total > snap.total:
+                parts = dict(self.parts)
+                parts["activations"] += extra
+                self.peaks[name] = Snapshot(total, parts, self.seq)
+
+    def start_phase(self, phase: str, category: str) -> None:
+        self.phase = phase
+        self.category = category
+        self.note_peak()
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.stand_ins:
+            out = self.stand_ins[func](func, args, kwargs)
+        elif self.output_cache is not None:
+            out = self.output_cache.run(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if self.observer is not None:
+            self.observer(func, args, kwargs, out)
+        if func in self.untracked_ops:
+            return out
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        skip = self.host_outputs[func](args, kwargs) if func in self.host_outputs else ()
+        for index, t in enumerate(outputs):
+            if hasattr(t, "untyped_storage") and index not in skip:
+                self.track(t)
+        rule = self.workspace_rules.get(func)
+        extra = sum(allocated_bytes(n) for n in rule(args, kwargs, out)) if rule else 0
+        self.note_peak(extra)
+        return out
