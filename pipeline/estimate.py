@@ -213,23 +213,10 @@ def exact_peak(config, batch, seq, precision, optimizer, checkpointing, attn_imp
 # ----------------------------------------------------------------------------- inputs
 
 
-def check_shape_facts(facts: dict, label: str) -> None:
-    """A config.json must state its shape (else transformers silently takes library defaults)."""
-    from transformers import CONFIG_MAPPING
-
-    from pipeline.registry import REQUIRED_SHAPE_FACTS
-
-    aliases = CONFIG_MAPPING[facts["model_type"]].attribute_map
-    text = facts.get("text_config") if isinstance(facts.get("text_config"), dict) else {}
-    for fact in REQUIRED_SHAPE_FACTS:
-        names = {fact, aliases.get(fact, fact)}
-        if not names & facts.keys() and not names & text.keys():
-            raise UserError(f"{label}: field {fact!r}: missing")
-
-
 def resolve_config(model=None, config=None):
     """(model id, transformers config) from a model id, a config.json path, a dict of its facts, or a config."""
     from pipeline.configs import config_from_dict, resolve_model
+    from pipeline.registry import check_shape_facts
 
     if model is not None and config is not None:
         raise UserError("give one of model and config, not both")

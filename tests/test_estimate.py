@@ -197,3 +197,29 @@ def test_formulas_and_coefficients_import_nothing_heavy():
     code = ("import sys, pipeline.formulas, pipeline.coefficients; "
             "print(sorted({'torch', 'transformers', 'numpy', 'pandas', 'sklearn'} & set(sys.modules)))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def test_config_shape_check_is_the_registry_one(coefficients, tmp_path, capsys):
+    """An attention-free model's config.json (mamba: no attention heads) is estimated; a config
+    without a shape fact its class has is one line, exit 2."""
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build_model
+
+    entries = {e["id"]: e for e in yaml.safe_load(Path("models.yaml").read_text())["models"]}
+    facts = next(e["config"] for e in entries.values() if e["config"].get("model_type") == "mamba")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(facts))
+    assert main(["estimate", "--config", str(path), "--batch", "1", "--seq", "128", "--precision", "bf16",
+                 "--method", "heuristic", "--coefficients", str(coefficients), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    n = sum(p.numel() for p in build_model(config_from_dict(facts), "meta").parameters())
+    assert 100e6 < n < 200e6 and result["parameters"] == n
+    parts = result["components"]
+    assert parts["parameters"] == parts["gradients"] == 2 * n and parts["optimizer_state"] == 4 * n
+    assert result["peak_bytes"] == pytest.approx(
+        8 * n + max(parts["optimizer_intermediates"], parts["activations"]))
+    del facts["hidden_size"]
+    path.write_text(json.dumps(facts))
+    assert main(["estimate", "--config", str(path), "--batch", "1", "--seq", "128", "--precision", "bf16",
+                 "--method", "heuristic", "--coefficients", str(coefficients)]) == 2
+    assert capsys.readouterr().err == f"error: {path}: field 'hidden_size': missing\n"
