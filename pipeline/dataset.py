@@ -458,7 +458,7 @@ def _headline_section(tables: dict, figures: list[str], validation_summary: str 
 
 
 def _refit_sentence(frame) -> str:
-    from pipeline.fit import BLOG_A_BYTES_PER_ELEMENT
+    from pipeline.formulas import BLOG_A_BYTES_PER_ELEMENT
 
     main = frame[frame["role"] == "heuristic"]
     blog = frame[frame["fit"] == "blog"]

@@ -1,178 +1,222 @@
 """Stage: estimate the peak memory of a training step (blog / heuristic / exact).
 
-The blog's structure (bytes):
+One estimator object per method (`ESTIMATORS`), each with `predict(target, run) -> Estimate`:
 
-    peak = parameters + optimizer_state + max(gradients + optimizer_intermediates, activations)
+- `BlogEstimator`: the blog's formula and coefficients exactly as published (`pipeline.formulas`:
+  every term N*P, activations A*B*L*P with A in fp32 bytes). Its flaws are kept on purpose and
+  listed in `BLOG_NOTES` (and in the JSON's "notes").
+- `HeuristicEstimator(coefficients)`: the same components with our refit coefficients
+  (results/coefficients.json) in consistent units, combined as the measured peaks show
+  (`heuristic_peak`: gradients count in both branches), with the activations multiplier and the
+  gradient-checkpointing factor measured from the peak table; precision-aware (amp-bf16) and
+  optimizer-aware (SGD: one momentum buffer, no weight-sized temporaries).
+- `ExactEstimator`: the simulator `pipeline.simulate.predict_peak` on the model's config.
 
-- `blog`: the blog's formula and coefficients exactly as published: every term N*P with P the
-  bytes of the precision, AdamW state 2*N*P, and activations A*B*L*P with A = 4.6894e-4*N + 1.8494e6.
-  Its flaws are kept on purpose and listed in `BLOG_NOTES` (and in the JSON's "notes").
-- `heuristic`: the same components with our refit coefficients (results/coefficients.json) and
-  consistent units, combined as the measured peaks show (`heuristic_peak`: gradients count in
-  both branches): A in activation ELEMENTS per token, times bytes per element of the precision,
-  times an activations multiplier measured from the peak table; precision-aware components
-  (amp-bf16: fp32 weights, gradients and AdamW state, bf16 activations plus the bf16 weight copies
-  autocast keeps for backward); SGD keeps one momentum buffer instead of two moments and its step
-  needs no weight-sized temporaries; gradient checkpointing scales the B x L activations by a
-  measured factor.
-- `exact`: the simulator `pipeline.simulate.predict_peak` on the model's config.
-
-`max_batch_size` gives the largest batch that fits a GPU memory size at a sequence length.
+`max_batch_size` gives the largest batch that fits a GPU memory size at a sequence length, by
+one search for every estimator (the peak grows with the batch).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from pipeline.coefficients import resolve_coefficients
 from pipeline.errors import UserError
+from pipeline.formulas import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, BLOG_NOTES, BLOG_P, OUTSIDE_MAX,
+                               PEAK_FORMULAS, blog_a_bytes, blog_components, blog_peak, heuristic_peak,
+                               training_components)
+from pipeline.vocabulary import METHODS, OPTIMIZERS, PRECISIONS, check_choice, check_positive_int
 
-PRECISIONS = ("fp32", "bf16", "amp-bf16")
-OPTIMIZERS = ("adamw", "sgd")
-METHODS = ("blog", "heuristic", "exact")
 GIB = 2**30
-DEFAULT_COEFFICIENTS = Path(__file__).resolve().parent.parent / "results" / "coefficients.json"
-
-# Bytes per parameter of the weights (and their gradients and optimizer state) and per activation element.
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "amp-bf16": 4}
-ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "amp-bf16": 2}
-STATE_BUFFERS = {"adamw": 2, "sgd": 1}  # AdamW: two moments; SGD with momentum: one buffer
-# Temporaries of the optimizer step, in weights: the foreach AdamW step needs about one more copy of
-# the weights; the measured SGD (momentum) step peaks at weights + momentum + gradients + ~6%.
-INTERMEDIATE_BUFFERS = {"adamw": 1, "sgd": 0}
-# Under autocast every fp32 weight is cast to a bf16 copy that autograd keeps until backward: it
-# lives beside the activations (the saved-for-backward counts of amp-bf16 show it as ~2N bytes).
-AMP_WEIGHT_COPY_BYTES = {"amp-bf16": 2}
-
-# The blog has one P per run; for amp-bf16 we take the fp32 bytes of its weights, grads and state.
-BLOG_P = {"fp32": 4, "bf16": 2, "amp-bf16": 4}
-# The blog's calculator divides activations by this under gradient checkpointing (project brief;
-# the calculator's code is not part of the published text).
-BLOG_CHECKPOINTING_DIVISOR = 5
-BLOG_NOTES = [
-    "A = 4.6894e-4*N + 1.8494e6 is fp32 BYTES per token (its hook sums numel*element_size), yet "
-    "Activation Memory = A*B*L*P multiplies by P again: 4x too much in fp32, 2x in bf16.",
-    "The post states two totals: max(gradients + optimizer intermediates, activations) and "
-    "max(gradients, optimizer intermediates, activations); this uses the first.",
-    "The hook count sums outputs of every module (containers included) for one token; it is not what "
-    "autograd saves for backward and has no term growing with L (attention scores, fp32 logits for the loss).",
-    "P is one precision for everything: mixed precision (fp32 weights and state, bf16 activations) is not "
-    "covered; here amp-bf16 takes P = 4.",
-    "Gradient checkpointing: activations divided by a constant 5, not measured.",
-    "The fit misses the post's own example: for Qwen2.5-1.5B it gives A = 2,573,309 bytes per token, "
-    "the hook count is 5,065,216.",
-    "Measured peaks (H200, standard step) are in the backward or the optimizer step, never in the forward; "
-    "in the backward the gradients and the activations are alive together, which the max() leaves out.",
-]
+BATCH_LIMIT = 2**24  # the search for the largest batch stops doubling here
 
 
-# ----------------------------------------------------------------------------- components
+# ----------------------------------------------------------------------------- values
 
 
-def training_components(parameters, activation_elements_per_token, batch, seq, precision, optimizer="adamw",
-                        activation_multiplier=1.0, checkpointing_factor=1.0) -> dict:
-    """Bytes of each term of the heuristic, in consistent units (see module docstring).
+@dataclass(frozen=True)
+class Run:
+    """The training step being estimated: its shape and settings."""
 
-    activations = multiplier x checkpointing factor x A x B x L x bytes per element, plus for
-    amp-bf16 the bf16 weight copies (2 bytes x N) that autocast keeps for backward.
-    """
-    weight = WEIGHT_BYTES[precision]
-    activations = (activation_elements_per_token * batch * seq * ACTIVATION_BYTES[precision]
-                   * activation_multiplier * checkpointing_factor)
-    return {
-        "parameters": parameters * weight,
-        "gradients": parameters * weight,
-        "optimizer_state": STATE_BUFFERS[optimizer] * parameters * weight,
-        "optimizer_intermediates": INTERMEDIATE_BUFFERS[optimizer] * parameters * weight,
-        "activations": activations + AMP_WEIGHT_COPY_BYTES.get(precision, 0) * parameters,
-    }
+    batch: int
+    seq: int
+    precision: str
+    optimizer: str = "adamw"
+    checkpointing: bool = False
+    attn_implementation: str | None = None  # exact only; None: the library's default
 
+    def __post_init__(self):
+        check_positive_int("batch", self.batch)
+        check_positive_int("seq", self.seq)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        object.__setattr__(self, "checkpointing", bool(self.checkpointing))
 
-def blog_components(parameters, batch, seq, precision, optimizer="adamw", checkpointing=False) -> dict:
-    """The blog's terms exactly as published (A already in fp32 bytes, times P again)."""
-    from pipeline.fit import blog_a_bytes
-
-    p = BLOG_P[precision]
-    activations = blog_a_bytes(parameters) * batch * seq * p
-    return {
-        "parameters": parameters * p,
-        "gradients": parameters * p,
-        "optimizer_state": STATE_BUFFERS[optimizer] * parameters * p,
-        "optimizer_intermediates": parameters * p,
-        "activations": activations / BLOG_CHECKPOINTING_DIVISOR if checkpointing else activations,
-    }
+    def with_batch(self, batch: int) -> Run:
+        return replace(self, batch=batch)
 
 
-PEAK_FORMULAS = {
-    "blog": "parameters + optimizer_state + max(gradients + optimizer_intermediates, activations)",
-    "heuristic": "parameters + optimizer_state + gradients + max(optimizer_intermediates, activations)",
-    "exact": "simulated peak; components are the live bytes by role at that moment",
-}
+@dataclass
+class Target:
+    """What is estimated: a parameter count, and the config when one was given."""
+
+    parameters: int
+    model_id: str | None = None
+    config: object = None
+    active_parameters: int | None = None  # per token (MoE); None: all of them
+
+    @property
+    def active(self) -> int:
+        return self.parameters if self.active_parameters is None else self.active_parameters
+
+    @property
+    def source(self) -> str:
+        return "given" if self.config is None else "config (built on the meta device)"
 
 
-def blog_peak(c: dict) -> float:
-    """The blog's total: weights + state + max(gradients + optimizer intermediates, activations)."""
-    return c["parameters"] + c["optimizer_state"] + max(c["gradients"] + c["optimizer_intermediates"], c["activations"])
+@dataclass
+class Estimate:
+    """One estimator's answer: the peak, its components (bytes) and what the method adds to the answer."""
+
+    peak_bytes: float
+    components: dict | None
+    details: dict = field(default_factory=dict)
 
 
-def heuristic_peak(c: dict) -> float:
-    """weights + state + gradients + max(optimizer intermediates, activations).
+# ----------------------------------------------------------------------------- estimators
 
-    The measured peaks are never in the forward: about half are in the optimizer step (weights +
-    state + gradients + intermediates, as the blog says), the others in the backward, where the
-    gradients pile up while the activations are still alive; so gradients count in both branches.
-    """
-    return c["parameters"] + c["optimizer_state"] + c["gradients"] + max(c["optimizer_intermediates"], c["activations"])
+
+class Estimator:
+    """An estimator of the peak: `predict(target, run)`; built by `load(coefficients)` from the user's options."""
+
+    name = ""
+    needs_config = False  # True: a parameter count is not enough, it needs the model's shape
+
+    @classmethod
+    def load(cls, coefficients=None) -> Estimator:
+        return cls()
+
+    @property
+    def peak_formula(self) -> str:
+        return PEAK_FORMULAS[self.name]
+
+    def predict(self, target: Target, run: Run) -> Estimate:
+        raise NotImplementedError
+
+    def guess_batch(self, target: Target, run: Run, memory_bytes) -> int | None:
+        """A first guess of the largest batch that fits, or None; `largest_batch` checks it."""
+        return None
+
+
+class ClosedFormEstimator(Estimator):
+    """A formula whose activations grow linearly with B, the rest of the peak not at all."""
+
+    def guess_batch(self, target: Target, run: Run, memory_bytes) -> int | None:
+        one = self.predict(target, run.with_batch(1)).components
+        two = self.predict(target, run.with_batch(2)).components
+        per_batch = two["activations"] - one["activations"]
+        if per_batch <= 0:
+            return None
+        room = memory_bytes
+        for name in OUTSIDE_MAX[self.name]:
+            room -= one[name]
+        return max(1, int((room - (one["activations"] - per_batch)) // per_batch))
+
+
+class BlogEstimator(ClosedFormEstimator):
+    name = "blog"
+
+    def predict(self, target: Target, run: Run) -> Estimate:
+        n = target.parameters
+        components = blog_components(n, run.batch, run.seq, run.precision, run.optimizer, run.checkpointing)
+        return Estimate(blog_peak(components), components, {
+            "activations_per_token": blog_a_bytes(n),
+            "activations_per_token_unit": "fp32 bytes (as published; the formula multiplies by P again)",
+            "bytes_per_parameter": BLOG_P[run.precision], "notes": BLOG_NOTES})
+
+
+@dataclass
+class HeuristicEstimator(ClosedFormEstimator):
+    coefficients: dict  # a loaded coefficient file
+
+    name = "heuristic"
+
+    @classmethod
+    def load(cls, coefficients=None) -> HeuristicEstimator:
+        return cls(resolve_coefficients(coefficients))
+
+    def terms(self, target: Target, run: Run) -> tuple:
+        """(A elements per token, activations multiplier, checkpointing factor) from the coefficient file."""
+        c = self.coefficients
+        constants = c["estimator"]
+        x = target.active if c.get("x") == "active_parameters" else target.parameters
+        elements = c["a"] * x + c["b"]
+        multiplier = constants["activation_multiplier"][run.precision]["value"]
+        factor = 1.0
+        if run.checkpointing:
+            factor = constants["checkpointing_factor"]["value"]
+            if factor is None:
+                raise UserError("the coefficient file has no measured gradient-checkpointing factor "
+                                "(fit it with a peak table that has checkpointing rows)")
+        return elements, multiplier, factor
+
+    def predict(self, target: Target, run: Run) -> Estimate:
+        elements, multiplier, factor = self.terms(target, run)
+        components = training_components(target.parameters, elements, run.batch, run.seq, run.precision,
+                                         run.optimizer, multiplier, factor)
+        c = self.coefficients
+        note = ("activations = multiplier x A x B x L x bytes per element"
+                + (" x checkpointing factor" if run.checkpointing else "")
+                + (" + 2 x N bytes of bf16 weight copies" if run.precision in AMP_WEIGHT_COPY_BYTES else "")
+                + ", A = a*N + b elements per token from the refit (N: parameters active per token).")
+        return Estimate(heuristic_peak(components), components, {
+            "activations_per_token": elements, "activations_per_token_unit": "elements",
+            "bytes_per_activation_element": ACTIVATION_BYTES[run.precision], "activation_multiplier": multiplier,
+            "checkpointing_factor": factor if run.checkpointing else None,
+            "coefficients": {"a": c["a"], "b": c["b"], "date": c["date"], "data_sha256": c["data"]["sha256"]},
+            "notes": [note]})
+
+
+class ExactEstimator(Estimator):
+    name = "exact"
+    needs_config = True
+
+    def predict(self, target: Target, run: Run) -> Estimate:
+        peak, components = exact_peak(target.config, run.batch, run.seq, run.precision, run.optimizer,
+                                      run.checkpointing, run.attn_implementation)
+        return Estimate(peak, components, {"activations_per_token": None, "activations_per_token_unit": None,
+                                           "notes": ["simulated by pipeline.simulate.predict_peak"]})
+
+
+ESTIMATORS = {"blog": BlogEstimator, "heuristic": HeuristicEstimator, "exact": ExactEstimator}  # by METHODS
+
+
+def exact_peak(config, batch, seq, precision, optimizer, checkpointing, attn_implementation=None):
+    """The simulator's prediction: (peak bytes, its components or None)."""
+    try:
+        from pipeline.simulate import predict_peak
+    except ModuleNotFoundError as exc:
+        if exc.name != "pipeline.simulate":
+            raise
+        raise UserError("method 'exact' needs the simulator (pipeline/simulate.py), which is not installed") from None
+    result = predict_peak(config, batch_size=batch, seq_len=seq, precision=precision, optimizer=optimizer,
+                          gradient_checkpointing=checkpointing, attn_implementation=attn_implementation)
+    if isinstance(result, dict):
+        peak = result.get("peak_bytes", result.get("peak_allocated_bytes", result.get("predicted_peak_bytes")))
+        return float(peak), result.get("components")
+    return float(result), None
 
 
 # ----------------------------------------------------------------------------- inputs
 
 
-def check_run(batch, seq, precision, optimizer, method) -> None:
-    for name, value in (("batch", batch), ("seq", seq)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise UserError(f"{name} must be a positive integer, got {value!r}")
-    if precision not in PRECISIONS:
-        raise UserError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    if optimizer not in OPTIMIZERS:
-        raise UserError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-    if method not in METHODS:
-        raise UserError(f"method {method!r} is not one of {', '.join(METHODS)}")
-
-
-def resolve_coefficients(coefficients) -> dict:
-    """A coefficient dict: given (trusted as loaded), from a path, or from the default path."""
-    from pipeline.fit import load_coefficients
-
-    if isinstance(coefficients, dict):
-        return coefficients
-    if coefficients is None:
-        if not DEFAULT_COEFFICIENTS.is_file():
-            raise UserError(f"{DEFAULT_COEFFICIENTS}: no coefficient file; run `python -m pipeline fit` "
-                            "or pass --coefficients PATH")
-        coefficients = DEFAULT_COEFFICIENTS
-    return load_coefficients(coefficients)
-
-
-def check_shape_facts(facts: dict, label: str) -> None:
-    """A config.json must state its shape (else transformers silently takes library defaults)."""
-    from transformers import CONFIG_MAPPING
-
-    from pipeline.registry import REQUIRED_SHAPE_FACTS
-
-    aliases = CONFIG_MAPPING[facts["model_type"]].attribute_map
-    text = facts.get("text_config") if isinstance(facts.get("text_config"), dict) else {}
-    for fact in REQUIRED_SHAPE_FACTS:
-        names = {fact, aliases.get(fact, fact)}
-        if not names & facts.keys() and not names & text.keys():
-            raise UserError(f"{label}: field {fact!r}: missing")
-
-
 def resolve_config(model=None, config=None):
     """(model id, transformers config) from a model id, a config.json path, a dict of its facts, or a config."""
     from pipeline.configs import config_from_dict, resolve_model
+    from pipeline.registry import check_shape_facts
 
     if model is not None and config is not None:
         raise UserError("give one of model and config, not both")
@@ -225,64 +269,12 @@ def parse_parameter_count(params) -> int:
     return int(value)
 
 
-# ----------------------------------------------------------------------------- estimators
-
-
-def heuristic_terms(coefficients: dict, target: Target, precision: str, checkpointing: bool) -> tuple:
-    """(A elements per token, activations multiplier, checkpointing factor) from the coefficient file."""
-    constants = coefficients["estimator"]
-    x = target.active if coefficients.get("x") == "active_parameters" else target.parameters
-    elements = coefficients["a"] * x + coefficients["b"]
-    multiplier = constants["activation_multiplier"][precision]["value"]
-    factor = 1.0
-    if checkpointing:
-        factor = constants["checkpointing_factor"]["value"]
-        if factor is None:
-            raise UserError("the coefficient file has no measured gradient-checkpointing factor "
-                            "(fit it with a peak table that has checkpointing rows)")
-    return elements, multiplier, factor
-
-
-def exact_peak(config, batch, seq, precision, optimizer, checkpointing, attn_implementation=None):
-    """The simulator's prediction: (peak bytes, its components or None)."""
-    try:
-        from pipeline.simulate import predict_peak
-    except ModuleNotFoundError as exc:
-        if exc.name != "pipeline.simulate":
-            raise
-        raise UserError("method 'exact' needs the simulator (pipeline/simulate.py), which is not installed") from None
-    result = predict_peak(config, batch_size=batch, seq_len=seq, precision=precision, optimizer=optimizer,
-                          gradient_checkpointing=checkpointing, attn_implementation=attn_implementation)
-    if isinstance(result, dict):
-        peak = result.get("peak_bytes", result.get("peak_allocated_bytes", result.get("predicted_peak_bytes")))
-        return float(peak), result.get("components")
-    return float(result), None
-
-
-@dataclass
-class Target:
-    """What is estimated: a parameter count, and the config when one was given."""
-
-    parameters: int
-    model_id: str | None = None
-    config: object = None
-    active_parameters: int | None = None  # per token (MoE); None: all of them
-
-    @property
-    def active(self) -> int:
-        return self.parameters if self.active_parameters is None else self.active_parameters
-
-    @property
-    def source(self) -> str:
-        return "given" if self.config is None else "config (built on the meta device)"
-
-
 def resolve_target(model=None, config=None, params=None, method="heuristic", active_params=None) -> Target:
     if sum(x is not None for x in (model, config, params)) != 1:
         raise UserError("give exactly one of model, config and params")
     if params is not None:
-        if method == "exact":
-            raise UserError("method 'exact' needs the model's shape: give a model or a config, not params")
+        if ESTIMATORS[method].needs_config:
+            raise UserError(f"method {method!r} needs the model's shape: give a model or a config, not params")
         n = parse_parameter_count(params)
         active = parse_parameter_count(active_params) if active_params is not None else None
         if active is not None and active > n:
@@ -293,6 +285,26 @@ def resolve_target(model=None, config=None, params=None, method="heuristic", act
     model_id, built = resolve_config(model, config)
     n, active = count_parameters(built)
     return Target(n, model_id, built, active)
+
+
+def gpu_memory_bytes(gib) -> int:
+    try:
+        value = float(gib)
+    except (TypeError, ValueError):
+        raise UserError(f"gpu memory {gib!r} is not a number of GiB") from None
+    if not math.isfinite(value) or value <= 0:
+        raise UserError(f"gpu memory {gib!r} must be a positive number of GiB")
+    return int(value * GIB)
+
+
+def prepare(method, coefficients, model=None, config=None, params=None, active_params=None):
+    """(estimator, target) for a method and what is estimated; one-line UserError for bad input."""
+    check_choice("method", method, METHODS)
+    target = resolve_target(model, config, params, method, active_params)
+    return ESTIMATORS[method].load(coefficients), target
+
+
+# ----------------------------------------------------------------------------- answers
 
 
 def estimate(model=None, config=None, params=None, *, batch, seq, precision, optimizer="adamw",
@@ -306,107 +318,62 @@ def estimate(model=None, config=None, params=None, *, batch, seq, precision, opt
     a loaded coefficient dict (default: results/coefficients.json; only `heuristic` uses it).
     With `gpu_memory_gib` the answer says whether it fits ("fits", "headroom_bytes").
     """
-    check_run(batch, seq, precision, optimizer, method)
+    run = Run(batch, seq, precision, optimizer, checkpointing, attn_implementation)
+    check_choice("method", method, METHODS)
     memory = gpu_memory_bytes(gpu_memory_gib) if gpu_memory_gib is not None else None
-    target = resolve_target(model, config, params, method, active_params)
-    coefficients = resolve_coefficients(coefficients) if method == "heuristic" else None
-    return estimate_target(target, batch, seq, precision, optimizer, checkpointing, method, coefficients,
-                           attn_implementation, memory)
+    estimator, target = prepare(method, coefficients, model, config, params, active_params)
+    return answer(estimator, target, run, memory)
 
 
-def estimate_target(target: Target, batch, seq, precision, optimizer, checkpointing, method, coefficients=None,
-                    attn_implementation=None, memory_bytes=None) -> dict:
-    """`estimate` on resolved inputs (a Target and a loaded coefficient dict)."""
-    n = target.parameters
-    result = {"method": method, "model_id": target.model_id, "parameters": n, "active_parameters": target.active,
-              "parameters_source": target.source,
-              "batch_size": batch, "seq_len": seq, "precision": precision, "optimizer": optimizer,
-              "checkpointing": bool(checkpointing)}
-    if method == "blog":
-        from pipeline.fit import blog_a_bytes
-
-        components = blog_components(n, batch, seq, precision, optimizer, checkpointing)
-        peak = blog_peak(components)
-        result.update(activations_per_token=blog_a_bytes(n),
-                      activations_per_token_unit="fp32 bytes (as published; the formula multiplies by P again)",
-                      bytes_per_parameter=BLOG_P[precision], notes=BLOG_NOTES)
-    elif method == "heuristic":
-        elements, multiplier, factor = heuristic_terms(coefficients, target, precision, checkpointing)
-        components = training_components(n, elements, batch, seq, precision, optimizer, multiplier, factor)
-        peak = heuristic_peak(components)
-        result.update(activations_per_token=elements, activations_per_token_unit="elements",
-                      bytes_per_activation_element=ACTIVATION_BYTES[precision], activation_multiplier=multiplier,
-                      checkpointing_factor=factor if checkpointing else None,
-                      coefficients={"a": coefficients["a"], "b": coefficients["b"], "date": coefficients["date"],
-                                    "data_sha256": coefficients["data"]["sha256"]},
-                      notes=["activations = multiplier x A x B x L x bytes per element"
-                             + (" x checkpointing factor" if checkpointing else "")
-                             + (" + 2 x N bytes of bf16 weight copies" if precision in AMP_WEIGHT_COPY_BYTES else "")
-                             + ", A = a*N + b elements per token from the refit (N: parameters active per token)."])
-    else:
-        peak, components = exact_peak(target.config, batch, seq, precision, optimizer, checkpointing,
-                                      attn_implementation)
-        result.update(activations_per_token=None, activations_per_token_unit=None,
-                      notes=["simulated by pipeline.simulate.predict_peak"])
-    result["components"] = components
-    result["peak_formula"] = PEAK_FORMULAS.get(method)
-    result["peak_bytes"] = peak
-    result["peak_gib"] = peak / GIB
+def answer(estimator: Estimator, target: Target, run: Run, memory_bytes=None) -> dict:
+    """The estimate as the JSON answer: what was estimated, the method's details, components and peak."""
+    estimated = estimator.predict(target, run)
+    peak = estimated.peak_bytes
+    result = {"method": estimator.name, "model_id": target.model_id, "parameters": target.parameters,
+              "active_parameters": target.active, "parameters_source": target.source,
+              "batch_size": run.batch, "seq_len": run.seq, "precision": run.precision, "optimizer": run.optimizer,
+              "checkpointing": run.checkpointing, **estimated.details,
+              "components": estimated.components, "peak_formula": estimator.peak_formula,
+              "peak_bytes": peak, "peak_gib": peak / GIB}
     if memory_bytes is not None:
         result.update(gpu_memory_bytes=memory_bytes, fits=bool(peak <= memory_bytes),
                       headroom_bytes=memory_bytes - peak)
     return result
 
 
-def gpu_memory_bytes(gib) -> int:
-    try:
-        value = float(gib)
-    except (TypeError, ValueError):
-        raise UserError(f"gpu memory {gib!r} is not a number of GiB") from None
-    if not math.isfinite(value) or value <= 0:
-        raise UserError(f"gpu memory {gib!r} must be a positive number of GiB")
-    return int(value * GIB)
-
-
 def max_batch_size(model=None, config=None, params=None, *, seq, precision, gpu_memory_gib, optimizer="adamw",
                    checkpointing=False, method="heuristic", coefficients=None, attn_implementation=None,
                    active_params=None) -> int:
     """The largest batch whose estimated peak fits `gpu_memory_gib` at sequence length `seq` (0: none)."""
-    check_run(1, seq, precision, optimizer, method)
+    run = Run(1, seq, precision, optimizer, checkpointing, attn_implementation)
+    check_choice("method", method, METHODS)
     memory = gpu_memory_bytes(gpu_memory_gib)
-    target = resolve_target(model, config, params, method, active_params)
-    coefficients = resolve_coefficients(coefficients) if method == "heuristic" else None
-    return largest_batch(target, seq, precision, optimizer, checkpointing, method, coefficients,
-                         attn_implementation, memory)
+    estimator, target = prepare(method, coefficients, model, config, params, active_params)
+    return largest_batch(estimator, target, run, memory)
 
 
-def largest_batch(target, seq, precision, optimizer, checkpointing, method, coefficients, attn_implementation,
-                  memory_bytes, limit: int = 2**24) -> int:
-    def peak(batch: int) -> dict:
-        return estimate_target(target, batch, seq, precision, optimizer, checkpointing, method, coefficients,
-                               attn_implementation)
+def largest_batch(estimator: Estimator, target: Target, run: Run, memory_bytes, limit: int = BATCH_LIMIT) -> int:
+    """The largest B whose predicted peak fits `memory_bytes` (0: none), for any estimator.
 
+    The peak grows with B, so: from 1 (or the estimator's checked guess) double the step while
+    the batch fits, then bisect between the last batch that fits and the first that does not.
+    """
     def fits(batch: int) -> bool:
-        return peak(batch)["peak_bytes"] <= memory_bytes
+        return estimator.predict(target, run.with_batch(batch)).peak_bytes <= memory_bytes
 
     if not fits(1):
         return 0
-    if method != "exact":
-        # activations(B) = fixed + k*B, and the rest of the peak does not depend on B: solve, then check.
-        one, two = peak(1)["components"], peak(2)["components"]
-        k = two["activations"] - one["activations"]
-        room = memory_bytes - one["parameters"] - one["optimizer_state"]
-        if method == "heuristic":
-            room -= one["gradients"]
-        guess = max(1, int((room - (one["activations"] - k)) // k))
-        while fits(guess + 1):
-            guess += 1
-        while guess > 1 and not fits(guess):
-            guess -= 1
-        return guess
-    low, high = 1, 2  # the simulator's peak grows with B: double, then bisect
-    while high <= limit and fits(high):
-        low, high = high, high * 2
+    low, high = 1, None
+    guess = estimator.guess_batch(target, run, memory_bytes)
+    if guess is not None and guess > 1:
+        low, high = (guess, None) if fits(guess) else (1, guess)
+    ceiling, step = max(limit, 2 * low), 1  # a guess beyond the limit is trusted and checked
+    while high is None:
+        candidate = low + step
+        if candidate > ceiling or not fits(candidate):
+            high = candidate
+        else:
+            low, step = candidate, step * 2
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
@@ -418,6 +385,7 @@ def largest_batch(target, seq, precision, optimizer, checkpointing, method, coef
 
 def add_cli(subparsers) -> None:
     from pipeline.arguments import positive_int
+    from pipeline.paths import DEFAULT_COEFFICIENTS
 
     parser = subparsers.add_parser("estimate", help="estimate the peak memory of a training step")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -444,14 +412,12 @@ def _estimate_command(args) -> int:
         raise UserError("--max-batch-size needs --gpu-memory GIB")
     if args.batch is None and not args.max_batch_size:
         raise UserError("--batch B is required (unless --max-batch-size)")
-    check_run(args.batch or 1, args.seq, args.precision, args.optimizer, args.method)
+    run = Run(args.batch or 1, args.seq, args.precision, args.optimizer, args.checkpointing, args.attn_implementation)
     memory = gpu_memory_bytes(args.gpu_memory) if args.gpu_memory is not None else None
-    target = resolve_target(args.model, args.config, args.params, args.method, args.active_params)
-    coefficients = resolve_coefficients(args.coefficients) if args.method == "heuristic" else None
-    run = (args.seq, args.precision, args.optimizer, args.checkpointing, args.method, coefficients,
-           args.attn_implementation)
-    largest = largest_batch(target, *run, memory) if args.max_batch_size else None
-    result = estimate_target(target, args.batch or max(largest, 1), *run, memory)
+    estimator, target = prepare(args.method, args.coefficients, args.model, args.config, args.params,
+                                args.active_params)
+    largest = largest_batch(estimator, target, run, memory) if args.max_batch_size else None
+    result = answer(estimator, target, run.with_batch(args.batch or max(largest, 1)), memory)
     if largest is not None:
         result["max_batch_size"] = largest
     print(json.dumps(result, indent=2) if args.json else human_summary(result))

@@ -134,7 +134,7 @@ def draw_activations_vs_parameters(results_dir: Path):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from pipeline.fit import BLOG_A_BYTES_PER_ELEMENT, BLOG_INTERCEPT, BLOG_SLOPE
+    from pipeline.formulas import BLOG_A_BYTES_PER_ELEMENT, BLOG_INTERCEPT, BLOG_SLOPE
 
     coefficients = read(results_dir, "coefficients.json")
     points = hook_points(results_dir, coefficients)

@@ -23,8 +23,8 @@ With a peak-memory table the stage also measures the empirical constants the heu
 estimator uses (an activations multiplier per precision and the gradient-checkpointing factor);
 see `peak_constants`.
 
-The coefficient file is plain JSON that anyone can use without this code; its layout is
-`coefficients.schema.json` beside this module, and `load_coefficients` reads it back.
+The coefficient file is plain JSON that anyone can use without this code; `pipeline.coefficients`
+holds its schema and reads, checks and writes it; `pipeline.formulas` the formulas it feeds.
 """
 
 from __future__ import annotations
@@ -35,27 +35,17 @@ import json
 import math
 from pathlib import Path
 
+from pipeline.coefficients import SCHEMA_VERSION, default_constants, estimator_structure, write_coefficients
 from pipeline.errors import UserError
+from pipeline.formulas import (BLOG_A_BYTES_PER_ELEMENT, BLOG_INTERCEPT, BLOG_SLOPE, blog_a_bytes,
+                               training_components, unit_mismatch_example)
+from pipeline.paths import ACTIVATIONS, COEFFICIENTS, MODELS
+from pipeline.vocabulary import OPTIMIZERS, PRECISION_OF_DTYPE, PRECISIONS
 
-SCHEMA_VERSION = 1
-SCHEMA_PATH = Path(__file__).with_name("coefficients.schema.json")
-PRECISIONS = ("fp32", "bf16", "amp-bf16")
 SEED = 0
 KFOLD_SPLITS = 5
 BOOTSTRAP_RESAMPLES = 1000
 INTERVAL_LEVEL = 0.95
-
-# The blog's published fit: A in fp32 BYTES per token (4 bytes x hook elements).
-BLOG_SLOPE = 4.6894e-4
-BLOG_INTERCEPT = 1.8494e6
-BLOG_A_BYTES_PER_ELEMENT = 4
-
-# activations.parquet names dtypes its own way; the fits are per precision mode (DESIGN.md).
-PRECISION_OF_DTYPE = {
-    "float32": "fp32", "fp32": "fp32", "torch.float32": "fp32",
-    "bfloat16": "bf16", "bf16": "bf16", "torch.bfloat16": "bf16",
-    "amp-bf16": "amp-bf16", "amp_bf16": "amp-bf16", "autocast-bfloat16": "amp-bf16",
-}
 
 WEIGHTINGS = ("none", "relative")
 # The heuristic estimator's fit: against active parameters (MoE models would otherwise sit far below
@@ -283,11 +273,6 @@ def fit_saved(models, activations, precision: str, **kwargs) -> dict | None:
 # ----------------------------------------------------------------------------- the blog's numbers
 
 
-def blog_a_bytes(parameters):
-    """The blog's A for N parameters: fp32 BYTES per token, exactly as published."""
-    return BLOG_SLOPE * parameters + BLOG_INTERCEPT
-
-
 def blog_evaluation(rows) -> dict:
     """The blog's coefficients on our hook counts (converted to elements), and its unit mismatch."""
     predicted_elements = blog_a_bytes(rows["parameters"].to_numpy(float)) / BLOG_A_BYTES_PER_ELEMENT
@@ -304,32 +289,6 @@ def blog_evaluation(rows) -> dict:
     }
 
 
-def unit_mismatch_example(parameters: int = 1_543_714_304, batch: int = 16, seq: int = 256,
-                          hook_elements_per_token: int = 1_266_304) -> dict:
-    """Qwen2.5-1.5B in numbers: the blog's A is already bytes, and its formula multiplies by P again.
-
-    `hook_elements_per_token` is the count the blog itself reports (5,065,216 fp32 bytes / 4),
-    which our meta-device hook count reproduces (DESIGN.md).
-    """
-    a_bytes = blog_a_bytes(parameters)
-    as_published = a_bytes * batch * seq * 4
-    meant = a_bytes * batch * seq
-    return {
-        "model_id": "Qwen/Qwen2.5-1.5B",
-        "parameters": parameters,
-        "batch_size": batch,
-        "seq_len": seq,
-        "precision": "fp32",
-        "blog_A_fp32_bytes_per_token": a_bytes,
-        "blog_activation_bytes_as_published": as_published,
-        "blog_activation_bytes_meant": meant,
-        "factor": as_published / meant,
-        "blog_measured_hook_fp32_bytes": hook_elements_per_token * 4 * batch * seq,
-        "explanation": "A = 4.6894e-4*N + 1.8494e6 is fp32 bytes per token; Activation Memory = A*B*L*P "
-                       "multiplies by P = 4 bytes again, so it is 4x (fp32) or 2x (bf16) what the fit meant.",
-    }
-
-
 # ----------------------------------------------------------------------------- constants from peaks
 
 
@@ -339,7 +298,7 @@ def peak_rows(peaks, checkpointing: bool):
                              "batch_size", "seq_len", "status", "peak_allocated_bytes"], "peak table")
     keep = (peaks["status"] == "ok") & peaks["peak_allocated_bytes"].notna()
     keep &= peaks["gradient_checkpointing"].fillna(False).astype(bool) == checkpointing
-    keep &= peaks["precision"].isin(PRECISIONS) & peaks["optimizer"].isin(("adamw", "sgd"))
+    keep &= peaks["precision"].isin(PRECISIONS) & peaks["optimizer"].isin(OPTIMIZERS)
     if "variant" in peaks.columns:
         keep &= peaks["variant"].fillna("standard") == "standard"
     return peaks[keep]
@@ -352,8 +311,6 @@ def _activation_ratios(rows, a: float, b: float, multipliers: dict | None = None
     Only rows where the remainder exceeds the modelled optimizer intermediates count: there the
     activations branch of the max() is the one the measurement shows.
     """
-    from pipeline.estimate import training_components
-
     ratios = []
     for row in rows.itertuples(index=False):
         elements = a * (active or {}).get(row.model_id, row.parameters) + b
@@ -406,34 +363,6 @@ def peak_constants(peaks, a: float, b: float, active: dict | None = None) -> dic
                if checkpoint_ratios else "not measured",
     }
     return {"activation_multiplier": multipliers, "checkpointing_factor": checkpointing}
-
-
-def estimator_structure() -> dict:
-    """How the heuristic estimator combines the fit and the constants, so that the file stands alone."""
-    from pipeline.estimate import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, INTERMEDIATE_BUFFERS, STATE_BUFFERS,
-                                   WEIGHT_BYTES)
-
-    return {
-        "formula": "peak = weights + optimizer_state + gradients + max(optimizer_intermediates, activations); "
-                   "weights = gradients = N_total x bytes_per_parameter; "
-                   "optimizer_state = optimizer_state_buffers x N_total x bytes_per_parameter; "
-                   "optimizer_intermediates = optimizer_intermediate_buffers x N_total x bytes_per_parameter; "
-                   "activations = activation_multiplier x (a x N + b) x B x L x bytes_per_activation_element "
-                   "[x checkpointing_factor] + weight_copy_bytes_per_parameter x N_total",
-        "bytes_per_parameter": dict(WEIGHT_BYTES),
-        "optimizer_state_buffers": dict(STATE_BUFFERS),
-        "optimizer_intermediate_buffers": dict(INTERMEDIATE_BUFFERS),
-        "bytes_per_activation_element": dict(ACTIVATION_BYTES),
-        "weight_copy_bytes_per_parameter": {p: AMP_WEIGHT_COPY_BYTES.get(p, 0) for p in PRECISIONS},
-    }
-
-
-def default_constants() -> dict:
-    return {
-        "activation_multiplier": {p: {"value": 1.0, "n_points": 0, "how": "not measured (no peak table)"}
-                                  for p in PRECISIONS},
-        "checkpointing_factor": {"value": None, "n_points": 0, "how": "not measured (no peak table)"},
-    }
 
 
 # ----------------------------------------------------------------------------- the coefficient file
@@ -529,49 +458,6 @@ def _plain(value):
     return value
 
 
-def load_schema() -> dict:
-    return json.loads(SCHEMA_PATH.read_text())
-
-
-def check_coefficients(data, label: str = "coefficients") -> dict:
-    """The dict if it is a coefficient file of this schema version; one-line UserError otherwise."""
-    import jsonschema
-
-    if not isinstance(data, dict):
-        raise UserError(f"{label}: not a coefficient file (expected a JSON object)")
-    version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise UserError(f"{label}: schema_version {version!r} is not supported (this code reads {SCHEMA_VERSION})")
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(load_schema()).iter_errors(data))
-    if error is not None:
-        where = ".".join(str(p) for p in error.absolute_path) or "(top level)"
-        raise UserError(f"{label}: field '{where}': {error.message.splitlines()[0][:200]}")
-    return data
-
-
-def load_coefficients(path) -> dict:
-    """Read a coefficient file; one-line UserError for a missing, unreadable, corrupted or other-version file."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise UserError(f"{path}: coefficient file not found (make it with `python -m pipeline fit`)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: coefficient file is not readable ({type(exc).__name__})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: coefficient file is not valid JSON (line {exc.lineno}); it may be corrupted") from None
-    return check_coefficients(data, str(path))
-
-
-def write_coefficients(coefficients: dict, path) -> None:
-    from pipeline.io import write_json
-
-    check_coefficients(json.loads(json.dumps(coefficients)), "coefficients to write")
-    write_json(coefficients, path)
-
-
 def run_fit(models_path, activations_path, out_path, peaks_path=None, seed: int = SEED,
             resamples: int = BOOTSTRAP_RESAMPLES) -> dict:
     models = read_table(models_path, "models")
@@ -587,10 +473,10 @@ def run_fit(models_path, activations_path, out_path, peaks_path=None, seed: int 
 
 def add_cli(subparsers) -> None:
     parser = subparsers.add_parser("fit", help="refit and cross-validate A = a*N + b; write coefficients.json")
-    parser.add_argument("--models", default="results/models.parquet")
-    parser.add_argument("--activations", default="results/activations.parquet")
+    parser.add_argument("--models", default=MODELS)
+    parser.add_argument("--activations", default=ACTIVATIONS)
     parser.add_argument("--peaks", default=None, help="peak_memory.parquet, for the estimator's empirical constants")
-    parser.add_argument("--out", default="results/coefficients.json")
+    parser.add_argument("--out", default=COEFFICIENTS)
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--resamples", type=int, default=BOOTSTRAP_RESAMPLES)
     parser.set_defaults(handler=_fit_command)

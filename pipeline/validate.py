@@ -15,10 +15,12 @@ measured GPU's total memory. `summarize` makes the markdown and JSON summary.
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.estimate import BlogEstimator, ExactEstimator, HeuristicEstimator, Run, Target
+from pipeline.paths import COEFFICIENTS, CONFIGS, PEAKS, VALIDATION
 
 ESTIMATORS = ("blog", "heuristic", "heuristic-lofo", "exact")
 KEY_COLUMNS = ["model_id", "model_type", "family", "parameters", "precision", "optimizer", "gradient_checkpointing",
@@ -72,31 +74,29 @@ class ExactCache:
     """The simulator's answers, one call per configuration; each model's config built once, when needed."""
 
     def __init__(self, configs_path):
-        try:
-            self.records = json.loads(Path(configs_path).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UserError(f"{configs_path}: not a readable configs file ({type(exc).__name__})") from None
+        from pipeline.configs import read_config_records
+
+        self.records = read_config_records(configs_path)
         self.configs = {}
         self.answers = {}
 
     def config(self, model_id: str):
-        from pipeline.configs import config_from_dict
+        from pipeline.configs import resolved_from_record
 
         if model_id not in self.configs:
             record = self.records.get(model_id) or {}
             if record.get("status") != "ok":
                 raise UserError(f"{model_id}: no ok config in the configs file")
-            self.configs[model_id] = config_from_dict(record["config"], model_id)
+            self.configs[model_id] = resolved_from_record(model_id, record).config
         return self.configs[model_id]
 
     def peak(self, row) -> float:
-        from pipeline.estimate import exact_peak
-
         attn = row.attn_implementation if isinstance(row.attn_implementation, str) else None
         key = (row.model_id, int(row.batch_size), int(row.seq_len), row.precision, row.optimizer,
                bool(row.gradient_checkpointing), attn)
         if key not in self.answers:
-            self.answers[key] = exact_peak(self.config(row.model_id), *key[1:])[0]
+            target = Target(int(row.parameters), row.model_id, self.config(row.model_id))
+            self.answers[key] = ExactEstimator().predict(target, Run(*key[1:])).peak_bytes
         return self.answers[key]
 
 
@@ -127,15 +127,27 @@ def simulated_peak(lookup: dict, row) -> float:
     return float(found["simulated_peak_bytes"])
 
 
-def predict(row, estimator: str, coefficients: dict | None, exact: ExactCache | None, active: dict) -> float:
-    from pipeline.estimate import Target, estimate_target
+class SimulatedTable:
+    """The exact estimator's answers read from the simulate stage's table."""
 
-    if estimator == "exact":
-        return exact.peak(row) if isinstance(exact, ExactCache) else simulated_peak(exact, row)
-    target = Target(int(row.parameters), row.model_id, active_parameters=active.get(row.model_id))
-    method = "blog" if estimator == "blog" else "heuristic"
-    return estimate_target(target, int(row.batch_size), int(row.seq_len), row.precision, row.optimizer,
-                           bool(row.gradient_checkpointing), method, coefficients)["peak_bytes"]
+    def __init__(self, simulated):
+        self.lookup = simulated_lookup(simulated)
+
+    def peak(self, row) -> float:
+        return simulated_peak(self.lookup, row)
+
+
+@dataclass
+class OnRows:
+    """An estimator object answering for rows of the peak table."""
+
+    estimator: object  # a pipeline.estimate estimator
+    active: dict  # model id -> parameters active per token (MoE); absent: dense
+
+    def peak(self, row) -> float:
+        target = Target(int(row.parameters), row.model_id, active_parameters=self.active.get(row.model_id))
+        run = Run(int(row.batch_size), int(row.seq_len), row.precision, row.optimizer, bool(row.gradient_checkpointing))
+        return self.estimator.predict(target, run).peak_bytes
 
 
 def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False, simulated=None):
@@ -150,15 +162,20 @@ def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False, 
     rows = measured_rows(peaks)
     if rows.empty:
         raise UserError("peak table: no ok or oom rows of the standard training step")
-    estimators = [e for e in ESTIMATORS if e != "exact" or exact or simulated is not None]
-    cache = simulated_lookup(simulated) if simulated is not None else ExactCache(configs_path) if exact else None
-    lofo = {family: refit_without_family(coefficients, peaks, family) for family in rows["family"].unique()}
     active = {r["model_id"]: r.get("active_parameters") for r in coefficients["data"]["rows"]}  # MoE: per token
+    shared = {"blog": OnRows(BlogEstimator(), active), "heuristic": OnRows(HeuristicEstimator(coefficients), active)}
+    if simulated is not None or exact:
+        shared["exact"] = SimulatedTable(simulated) if simulated is not None else ExactCache(configs_path)
+    by_family = {}  # the estimators of a family's rows: the shared ones and its leave-one-family-out refit
+    for family in rows["family"].unique():
+        refit = refit_without_family(coefficients, peaks, family)
+        by_family[family] = {**shared, "heuristic-lofo": None if refit is None else OnRows(HeuristicEstimator(refit),
+                                                                                           active)}
+    estimators = [e for e in ESTIMATORS if e in shared or e == "heuristic-lofo"]
     records = []
     for row in rows.itertuples(index=False):
         for estimator in estimators:
-            chosen = lofo[row.family] if estimator == "heuristic-lofo" else coefficients
-            predicted, reason = _predicted(row, estimator, chosen, cache, active)
+            predicted, reason = _predicted(row, by_family[row.family][estimator])
             measured = float(row.peak_allocated_bytes) if row.status == "ok" else math.nan
             record = {column: getattr(row, column) for column in KEY_COLUMNS}
             record.update(
@@ -174,14 +191,14 @@ def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False, 
     return table
 
 
-def _predicted(row, estimator, coefficients, cache, active) -> tuple[float, str | None]:
+def _predicted(row, source) -> tuple[float, str | None]:
     """(prediction, None) or (NaN, why not): one failing point never stops the stage."""
     import math
 
-    if estimator == "heuristic-lofo" and coefficients is None:
+    if source is None:  # heuristic-lofo without a refit
         return math.nan, "too few models left without this family"
     try:
-        return float(predict(row, estimator, coefficients, cache, active)), None
+        return float(source.peak(row)), None
     except UserError as exc:
         return math.nan, str(exc)
     except Exception as exc:  # noqa: BLE001 - the simulator failing on one model is a row, not a crash
@@ -253,7 +270,8 @@ def summary_markdown(summary: dict) -> str:
 
 def run_validate(peaks_path, coefficients_path, configs_path, out_path, exact: bool = False,
                  summary_path=None, simulated_path=None) -> dict:
-    from pipeline.fit import load_coefficients, read_table
+    from pipeline.coefficients import load_coefficients
+    from pipeline.fit import read_table
     from pipeline.io import write_json, write_parquet, write_text
 
     coefficients = load_coefficients(coefficients_path)
@@ -272,10 +290,10 @@ def run_validate(peaks_path, coefficients_path, configs_path, out_path, exact: b
 
 def add_cli(subparsers) -> None:
     parser = subparsers.add_parser("validate", help="every estimator against every measured peak")
-    parser.add_argument("--peaks", default="results/peak_memory.parquet")
-    parser.add_argument("--coefficients", default="results/coefficients.json")
-    parser.add_argument("--configs", default="results/configs.json", help="model configs (for --exact)")
-    parser.add_argument("--out", default="results/validation.parquet")
+    parser.add_argument("--peaks", default=PEAKS)
+    parser.add_argument("--coefficients", default=COEFFICIENTS)
+    parser.add_argument("--configs", default=CONFIGS, help="model configs (for --exact)")
+    parser.add_argument("--out", default=VALIDATION)
     parser.add_argument("--summary", default=None, help="markdown summary (default: validation_summary.md beside --out; "
                                                         "JSON beside it)")
     parser.add_argument("--exact", action="store_true", help="also run the simulator (slow)")

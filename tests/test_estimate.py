@@ -9,9 +9,10 @@ import pytest
 import yaml
 
 from pipeline.cli import main
+from pipeline.coefficients import load_coefficients
 from pipeline.errors import UserError
 from pipeline.estimate import GIB, estimate, max_batch_size
-from pipeline.fit import load_coefficients, run_fit
+from pipeline.fit import run_fit
 from test_fit import REGISTRY, tables  # noqa: F401 - the session fixture, shared
 
 QWEN_1_5B_PARAMETERS = 1_543_714_304
@@ -138,3 +139,87 @@ def test_python_api_bad_input():
         estimate(params=1e9, batch=0, seq=8, precision="fp32", method="blog")
     with pytest.raises(UserError, match="exactly one of"):
         estimate(params=1e9, config={"model_type": "gpt2"}, batch=1, seq=8, precision="fp32", method="blog")
+
+
+def test_one_estimator_per_method_and_a_checked_run():
+    from dataclasses import FrozenInstanceError
+
+    from pipeline.estimate import ESTIMATORS, Run
+    from pipeline.vocabulary import METHODS
+
+    assert tuple(ESTIMATORS) == METHODS and all(ESTIMATORS[m].name == m for m in METHODS)
+    run = Run(2, 8, "bf16", checkpointing=1)
+    assert run.checkpointing is True and run.with_batch(5).batch == 5 and run.batch == 2
+    with pytest.raises(FrozenInstanceError):
+        run.batch = 3
+    for bad, message in ((dict(batch=0), "batch must be a positive integer"), (dict(seq=True), "seq must be"),
+                         (dict(precision="fp16"), "precision 'fp16' is not one of"),
+                         (dict(optimizer="adam"), "optimizer 'adam' is not one of")):
+        with pytest.raises(UserError, match=message):
+            Run(**{"batch": 1, "seq": 8, "precision": "fp32", **bad})
+
+
+class _Linear:
+    """A peak of 10 + 3 B bytes, with an optional (possibly wrong) guess of the largest batch."""
+
+    name = "linear"
+
+    def __init__(self, guess=None):
+        self.guess, self.calls = guess, 0
+
+    def predict(self, target, run):
+        from pipeline.estimate import Estimate
+
+        self.calls += 1
+        return Estimate(10 + 3 * run.batch, None)
+
+    def guess_batch(self, target, run, memory_bytes):
+        return self.guess
+
+
+@pytest.mark.parametrize("guess", [None, 1, 2, 29, 30, 31, 1000])
+def test_largest_batch_is_one_search_for_every_estimator(guess):
+    from pipeline.estimate import Run, Target, largest_batch
+
+    run, target = Run(1, 8, "fp32"), Target(1)
+    for memory, expected in ((12, 0), (13, 1), (99, 29), (100, 30), (3 * 2**20 + 10, 2**20)):
+        estimator = _Linear(guess)
+        assert largest_batch(estimator, target, run, memory) == expected
+    # the doubling stops past the limit (or past twice a checked guess)
+    assert largest_batch(_Linear(guess), target, run, 10**12, limit=64) >= 64
+    assert largest_batch(_Linear(), target, run, 10**12, limit=64) == 127
+
+
+def test_formulas_and_coefficients_import_nothing_heavy():
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeline.formulas, pipeline.coefficients; "
+            "print(sorted({'torch', 'transformers', 'numpy', 'pandas', 'sklearn'} & set(sys.modules)))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def test_config_shape_check_is_the_registry_one(coefficients, tmp_path, capsys):
+    """An attention-free model's config.json (mamba: no attention heads) is estimated; a config
+    without a shape fact its class has is one line, exit 2."""
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build_model
+
+    entries = {e["id"]: e for e in yaml.safe_load(Path("models.yaml").read_text())["models"]}
+    facts = next(e["config"] for e in entries.values() if e["config"].get("model_type") == "mamba")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(facts))
+    assert main(["estimate", "--config", str(path), "--batch", "1", "--seq", "128", "--precision", "bf16",
+                 "--method", "heuristic", "--coefficients", str(coefficients), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    n = sum(p.numel() for p in build_model(config_from_dict(facts), "meta").parameters())
+    assert 100e6 < n < 200e6 and result["parameters"] == n
+    parts = result["components"]
+    assert parts["parameters"] == parts["gradients"] == 2 * n and parts["optimizer_state"] == 4 * n
+    assert result["peak_bytes"] == pytest.approx(
+        8 * n + max(parts["optimizer_intermediates"], parts["activations"]))
+    del facts["hidden_size"]
+    path.write_text(json.dumps(facts))
+    assert main(["estimate", "--config", str(path), "--batch", "1", "--seq", "128", "--precision", "bf16",
+                 "--method", "heuristic", "--coefficients", str(coefficients)]) == 2
+    assert capsys.readouterr().err == f"error: {path}: field 'hidden_size': missing\n"

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
+from pipeline.coefficients import SCHEMA_VERSION, load_coefficients
 from pipeline.errors import UserError
-from pipeline.fit import (BLOG_INTERCEPT, BLOG_SLOPE, HEURISTIC_FIT, SCHEMA_VERSION, fit_coefficients,
-                          load_coefficients, run_fit)
+from pipeline.fit import HEURISTIC_FIT, fit_coefficients, run_fit
+from pipeline.formulas import BLOG_INTERCEPT, BLOG_SLOPE
 
 REGISTRY = Path(__file__).parent / "data" / "models_small.yaml"
 QWEN_1_5B = "Qwen/Qwen2.5-1.5B"

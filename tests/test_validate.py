@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
+from pipeline.coefficients import load_coefficients
 from pipeline.estimate import estimate
-from pipeline.fit import load_coefficients, run_fit
+from pipeline.fit import run_fit
 from pipeline.validate import measured_rows, refit_without_family, run_validate
 from test_fit import tables  # noqa: F401 - the session fixture, shared
 
