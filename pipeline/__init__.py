@@ -1,7 +1,8 @@
 """Activations vs parameters: measured activations and training-memory peaks of causal LMs.
 
-One module per stage; the data flows one way:
-registry -> configs -> activations / memory -> fit -> estimate / validate -> dataset / figures.
+The data flows one way through layers (docs/architecture.md): plumbing -> inputs (registry,
+configs, modeling) -> measuring (activations, memory and sweep, simulate) -> knowledge (formulas,
+coefficients, fit) -> answers (estimate, validate) -> outputs (figures, dataset, publish).
 """
 
-__version__ = "0.1.0"
+from pipeline.provenance import PACKAGE_VERSION as __version__  # noqa: F401

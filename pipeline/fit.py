@@ -373,7 +373,7 @@ def fit_coefficients(models, activations, peaks=None, seed: int = SEED,
     """Every fit, the blog's evaluation and the estimator's constants, as the coefficient file's dict."""
     from importlib import metadata
 
-    from pipeline import __version__
+    from pipeline.provenance import PACKAGE_VERSION
     from pipeline.provenance import software
 
     rows = hook_rows(models, activations)
@@ -437,7 +437,7 @@ def fit_coefficients(models, activations, peaks=None, seed: int = SEED,
             "torch": versions["torch_version"],
             "transformers": versions["transformers_version"],
             "scikit-learn": metadata.version("scikit-learn"),
-            "package": __version__,
+            "package": PACKAGE_VERSION,
             "git_commit": versions["git_commit"],
         },
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -7,9 +7,10 @@ import os
 import platform
 import subprocess
 from importlib import metadata
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from pipeline.paths import REPO_ROOT
+
+PACKAGE_VERSION = "0.1.0"  # the project's version (pyproject.toml says the same)
 
 
 def _version(package: str) -> str | None:
