@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import sweep
+from pipeline import memory, sweep
 from pipeline.errors import UserError
 from pipeline.memory import COLUMN_DTYPES, COLUMNS
 from pipeline.step import Setting
@@ -375,6 +375,19 @@ def test_a_child_stops_before_a_point_that_would_pass_the_deadline(configs_path,
     process.join(60)
     assert process.exitcode == sweep.EXIT_DEADLINE
     assert sweep.read_rows(sweep.part_path(tmp_path, job)) == []
+
+
+# --- the phase tracker -----------------------------------------------------------------------------
+
+def test_phase_tracker_names_the_failing_phase_and_tracks_nothing_on_the_cpu():
+    tracker = memory.PhaseTracker("cpu")
+    with tracker.phase("forward"):
+        assert tracker.current == "forward"
+    assert tracker.current is None
+    with pytest.raises(RuntimeError), tracker.phase("backward"):
+        raise RuntimeError("out of memory")
+    assert tracker.current == "backward"  # measure_point's reason says where it failed
+    assert set(tracker.columns().values()) == {None}
 
 
 # --- measure and the command line ------------------------------------------------------------------
