@@ -235,6 +235,8 @@ def override_plan(plan: Plan, models=None, precisions=None, batch_sizes=None, se
             raise UserError(f"--models: {missing[0]!r} is not in the plan")
     if precisions:
         precision_list(list(precisions), "--precisions")
+    if max_step_flops:
+        number(max_step_flops, "--max-step-flops")
     narrowed = []
     for group in groups:
         changes = {}
@@ -247,6 +249,5 @@ def override_plan(plan: Plan, models=None, precisions=None, batch_sizes=None, se
             changes["points"] = None
         if max_step_flops and not group.own_budget:  # a group's own budget (blog points) stays
             changes["max_step_flops"] = max_step_flops
-        with located(f"{group.name}: "):
-            narrowed.append(replace(group, **changes))
+        narrowed.append(replace(group, **changes))
     return replace(plan, groups=tuple(narrowed))
