@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.sweep import DEFAULT_PARTS, EVENTS_FILE, read_rows  # noqa: E402
+from pipeline.paths import PEAK_PARTS as DEFAULT_PARTS  # noqa: E402
+from pipeline.sweep.parts import EVENTS_FILE, read_rows  # noqa: E402
 
 GOAL = 0.60
 

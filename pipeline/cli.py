@@ -17,6 +17,7 @@ STAGE_MODULES = (
     "pipeline.configs",
     "pipeline.activations",
     "pipeline.memory",
+    "pipeline.sweep",
     "pipeline.simulate",
     "pipeline.fit",
     "pipeline.estimate",

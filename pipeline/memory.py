@@ -1,8 +1,9 @@
 """Stage: real peak memory of the standard training step (CUDA), one point at a time.
 
-`measure_point` runs DESIGN.md's standard training step (or the blog's loop, `variant="blog"`) on an
-already built model: a fresh optimizer, three steps, peaks per phase. `pipeline.sweep` runs it over
-a grid, one process per (model, precision, attention); `python -m pipeline measure` runs one point.
+`measure_point` runs the standard training step of `pipeline.step` (or the blog's loop,
+`variant="blog"`) on an already built model: a fresh optimizer, three steps, peaks per phase (a
+`PhaseTracker`). `pipeline.sweep` runs it over a grid, one process per (model, precision,
+attention); `python -m pipeline measure` runs one point.
 
 Reusing one built model across points is allowed because every point starts from the same state:
 fresh optimizer, grads set to None, `torch.cuda.empty_cache()`, peak counter reset. Only the weight
@@ -22,19 +23,14 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.modeling import attn_used, build, context_length, count_parameters, vocabulary_size
-
-PRECISIONS = ("fp32", "bf16", "amp-bf16")
-OPTIMIZERS = ("adamw", "sgd")
-VARIANTS = ("standard", "blog")
-ATTENTIONS = ("default", "eager")
-STEPS = 3
-BLOG_ID_RANGE = 100  # the blog's ids: torch.randint(0, 100, (B, L))
-
-KEY_COLUMNS = ("model_id", "precision", "variant", "optimizer", "gradient_checkpointing",
-               "attn_implementation", "batch_size", "seq_len")
+from pipeline.modeling import _first_int, attn_used, build, context_length, count_parameters, text_config
+from pipeline.paths import CONFIGS
+from pipeline.step import (STEPS, Setting, autocast, make_optimizer, set_training_mode, token_ids, training_loss,
+                           zero_grad)
+from pipeline.vocabulary import ATTENTIONS, OPTIMIZERS, PRECISIONS, VARIANTS, check_choice
 
 # Column -> pandas dtype of results/peak_memory.parquet (DESIGN.md columns first).
 COLUMN_DTYPES = {
@@ -56,37 +52,97 @@ COLUMN_DTYPES = {
     "config_revision": "string",
 }
 COLUMNS = tuple(COLUMN_DTYPES)
-STATUSES = ("ok", "oom", "skipped", "error")
 
+
+# --- the model to measure: a configs.json record plus the facts a plan needs ---------------------
 
 @dataclass(frozen=True)
-class Setting:
-    """What varies within one process: the loop, the optimizer and checkpointing."""
+class ModelRecord:
+    """One model as the measurement sees it: its config.json facts, where they came from, and facts
+    read from the config (`parameters` counted on the meta device, None if it cannot be built
+    there; `plan_parameters` the same, else a rough 12*layers*width^2 + 2*vocab*width)."""
 
-    variant: str = "standard"
-    optimizer: str = "adamw"
-    gradient_checkpointing: bool = False
+    model_id: str
+    config: dict
+    family: str | None
+    model_type: str | None
+    config_source: str | None
+    config_revision: str | None
+    parameters: int | None
+    plan_parameters: int
+    layers: int
+    hidden: int
+    vocab: int
+    context: int | None
+    use_cache: bool  # as the config sets it (the blog's loop uses it)
 
-    def check(self) -> None:
-        if self.variant not in VARIANTS:
-            raise UserError(f"variant {self.variant!r} is not one of {', '.join(VARIANTS)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-        if not isinstance(self.gradient_checkpointing, bool):
-            raise UserError(f"gradient_checkpointing must be true or false, not {self.gradient_checkpointing!r}")
-        if self.variant == "blog" and self.gradient_checkpointing:
-            raise UserError("the blog variant runs in eval mode, where gradient checkpointing does nothing")
+    def transformers_config(self):
+        from pipeline.configs import config_from_dict
+
+        return config_from_dict(self.config, self.model_id)
+
+    @classmethod
+    def from_config(cls, model_id: str, config, facts: dict, family: str | None, model_type: str | None,
+                    source: str | None, revision: str | None) -> ModelRecord:
+        """The record of a transformers `config` built from the config.json `facts`."""
+        text = text_config(config)
+        layers = _positive(_first_int(text, ("num_hidden_layers", "n_layer", "num_layers")))
+        hidden = _positive(_first_int(text, ("hidden_size", "n_embd", "d_model")))
+        vocab = _positive(_first_int(text, ("vocab_size",)))
+        parameters = meta_parameters(config)
+        return cls(model_id, facts, family, model_type, source, revision, parameters,
+                   parameters or 12 * layers * hidden**2 + 2 * vocab * hidden, layers, hidden, vocab,
+                   context_length(config), bool(getattr(text, "use_cache", True)))
 
 
-def check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise UserError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+def _positive(value: int | None) -> int:
+    return value if value is not None and value > 0 else 1
 
 
-def check_attention(attn: str) -> None:
-    if attn not in ATTENTIONS:
-        raise UserError(f"attn_implementation {attn!r} is not one of {', '.join(ATTENTIONS)}")
+def meta_parameters(config) -> int | None:
+    from pipeline.modeling import build_model, training_config
 
+    try:
+        return count_parameters(build_model(training_config(config), device="meta"))
+    except Exception:  # noqa: BLE001 - a model that cannot be built fails in its child, with a row
+        return None
+
+
+def load_model_records(configs_path, model_ids) -> tuple[dict[str, ModelRecord], list[str]]:
+    """Records of `model_ids` from configs.json (ok entries) and the ids that have none."""
+    from pipeline.configs import config_from_dict, read_config_records
+
+    entries = read_config_records(configs_path)
+    records, missing = {}, []
+    for model_id in model_ids:
+        entry = entries.get(model_id)
+        if not entry or entry.get("status") != "ok":
+            missing.append(model_id)
+            continue
+        records[model_id] = ModelRecord.from_config(
+            model_id, config_from_dict(entry["config"], model_id), entry["config"], entry.get("family"),
+            entry.get("model_type"), entry.get("config_source"), entry.get("config_revision"))
+    return records, missing
+
+
+def model_record(model_id: str | None, config_path: str | None, configs_path=CONFIGS) -> ModelRecord:
+    """The record of one model for `measure`: configs.json first, else the registry or the Hub."""
+    from pipeline.configs import config_from_file, resolve_model
+
+    if model_id and Path(configs_path).exists():
+        records, missing = load_model_records(configs_path, [model_id])
+        if not missing:
+            return records[model_id]
+    try:
+        resolved = config_from_file(config_path) if config_path else resolve_model(model_id)
+    except ModuleNotFoundError as exc:  # the GPU machine has no jsonschema to read the registry with
+        raise UserError(f"{model_id}: not in {configs_path}, and the registry cannot be read here "
+                        f"({exc.name} is not installed)") from None
+    return ModelRecord.from_config(resolved.model_id, resolved.config, resolved.config.to_dict(), None,
+                                   resolved.config.model_type, resolved.source, resolved.revision)
+
+
+# --- one point ------------------------------------------------------------------------------------
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors`."""
@@ -120,25 +176,32 @@ def optimizer_state_bytes(optimizer, device: str) -> int:
 class PhaseTracker:
     """Peak allocated bytes per phase (forward, backward, optimizer), maximised over the steps.
 
-    The CUDA peak counter is reset when a phase starts, so the max over phases is the peak over
-    the steps. On other devices nothing is tracked and all peaks are None.
+        with tracker.phase("forward"):
+            loss = ...
+
+    The CUDA peak counter is reset when a phase starts and read when it ends, so the max over
+    phases is the peak over the steps. A phase that raises is not recorded and stays `current`
+    (the failure's place). On other devices nothing is tracked and all peaks are None.
     """
 
     def __init__(self, device: str):
         self.cuda = device == "cuda"
         self.peaks: dict[str, int] = {}
         self.reserved = None
-        self.phase = None
+        self.current = None
 
-    def enter(self, phase: str | None) -> None:
+    @contextlib.contextmanager
+    def phase(self, name: str):
         import torch
 
-        if self.phase and self.cuda:
-            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), torch.cuda.max_memory_allocated())
-            self.reserved = max(self.reserved or 0, torch.cuda.max_memory_reserved())
-        if phase and self.cuda:
+        if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        self.phase = phase
+        self.current = name
+        yield
+        if self.cuda:
+            self.peaks[name] = max(self.peaks.get(name, 0), torch.cuda.max_memory_allocated())
+            self.reserved = max(self.reserved or 0, torch.cuda.max_memory_reserved())
+        self.current = None
 
     def columns(self) -> dict:
         peak = max(self.peaks.values()) if self.peaks else None
@@ -148,70 +211,34 @@ class PhaseTracker:
                 "optimizer_peak_bytes": self.peaks.get("optimizer")}
 
 
-def make_optimizer(model, setting: Setting):
-    import torch
-
-    if setting.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    if setting.variant == "blog":
-        return torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return torch.optim.AdamW(model.parameters())
-
-
-def apply_setting(model, setting: Setting, blog_use_cache: bool) -> dict:
-    """Checkpointing on or off and train/eval mode; returns the columns that describe it.
-
-    The blog built its model with from_pretrained, which leaves it in eval mode with the config's
-    use_cache; the standard step trains in train mode with use_cache=False.
-    """
-    if setting.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    elif getattr(model, "is_gradient_checkpointing", False):
-        model.gradient_checkpointing_disable()
-    blog = setting.variant == "blog"
-    model.train(not blog)
-    return {"train_mode": not blog, "use_cache": blog_use_cache if blog else False}
+def mode_columns(setting: Setting, blog_use_cache: bool) -> dict:
+    """The blog built its model with from_pretrained, which leaves it in eval mode with the config's
+    use_cache; the standard step trains in train mode with use_cache=False."""
+    return {"train_mode": not setting.blog, "use_cache": blog_use_cache if setting.blog else False}
 
 
 def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, device: str,
               tracker: PhaseTracker, use_cache: bool, steps: int = STEPS):
-    """The training loop itself; returns (seconds per step, optimizer-state bytes)."""
+    """The standard step (pipeline.step), `steps` times; returns (seconds per step, optimizer-state bytes)."""
     import torch
 
-    optimizer = make_optimizer(model, setting)
-    vocab = BLOG_ID_RANGE if setting.variant == "blog" else vocabulary_size(model)
+    optimizer = make_optimizer(model.parameters(), setting)
     seconds = []
     for _ in range(steps):
         start = time.perf_counter()
-        tracker.enter("forward")
-        ids = torch.randint(0, vocab, (batch, seq), device=device)
-        with autocast(precision, device):
-            if setting.variant == "blog":
-                loss = torch.mean(model(ids, use_cache=use_cache).logits)
-            else:
-                loss = model(input_ids=ids, labels=ids).loss
-        tracker.enter("backward")
-        loss.backward()
-        tracker.enter("optimizer")
-        optimizer.step()
-        if setting.variant == "blog":
-            optimizer.zero_grad()
-        else:
-            optimizer.zero_grad(set_to_none=True)
-        tracker.enter(None)
+        with tracker.phase("forward"):
+            ids = token_ids(model, batch, seq, setting, device)
+            with autocast(precision, device):
+                loss = training_loss(model, ids, setting, use_cache)
+        with tracker.phase("backward"):
+            loss.backward()
+        with tracker.phase("optimizer"):
+            optimizer.step()
+            zero_grad(optimizer, setting)
         if device == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     return seconds, optimizer_state_bytes(optimizer, device)
-
-
-def autocast(precision: str, device: str):
-    """amp-bf16: the forward and the loss under bf16 autocast (backward and optimizer outside)."""
-    import torch
-
-    if precision == "amp-bf16":
-        return torch.autocast(device, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -240,12 +267,13 @@ def measure_point(model, setting: Setting, precision: str, batch: int, seq: int,
     columns = {"status": "ok", "reason": None, "started_at": time.time(),
                "allocated_before_bytes": torch.cuda.memory_allocated() if device == "cuda" else None}
     try:
-        columns.update(apply_setting(model, setting, blog_use_cache))
+        set_training_mode(model, setting)
+        columns.update(mode_columns(setting, blog_use_cache))
         seconds, state_bytes = run_steps(model, setting, precision, batch, seq, device, tracker,
                                          columns["use_cache"])
     except Exception as exc:  # noqa: BLE001 - a failing point is recorded, the sweep goes on
         oom = is_out_of_memory(exc)
-        where = f" in {tracker.phase}" if tracker.phase else ""
+        where = f" in {tracker.current}" if tracker.current else ""
         columns.update(status="oom" if oom else "error", reason=f"{'out of memory' if oom else 'failed'}{where}: "
                        f"{first_line(exc)}")
         seconds, state_bytes = None, None
@@ -349,21 +377,16 @@ def resolve_device(device: str) -> str | None:
 
 # --- `python -m pipeline measure` -----------------------------------------------------------------
 
-def measure(record: dict, batch: int, seq: int, precision: str = "fp32", setting: Setting = Setting(),
+def measure(record: ModelRecord, batch: int, seq: int, precision: str = "fp32", setting: Setting = Setting(),
             attn: str = "default", device: str = "cuda", allow_tf32: bool = True) -> dict:
-    """One point of one model, in this process: a full peak-memory row.
-
-    `record` is a configs.json record plus `model_id` (see `pipeline.sweep.model_record`).
-    """
-    from pipeline.configs import config_from_dict
-
-    check_precision(precision)
-    check_attention(attn)
+    """One point of one model, in this process: a full peak-memory row (see `model_record`)."""
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("attn_implementation", attn, ATTENTIONS)
     setting.check()
     if batch <= 0 or seq <= 0:
         raise UserError("batch size and sequence length must be positive")
-    config = config_from_dict(record["config"], record["model_id"])
-    limit = context_length(config)
+    config = record.transformers_config()
+    limit = record.context
     row = base_columns(record, precision, attn, setting, batch, seq)
     row.update(setup_device(device, allow_tf32))
     if limit is not None and seq > limit:
@@ -377,16 +400,16 @@ def measure(record: dict, batch: int, seq: int, precision: str = "fp32", setting
     row.update(build_seconds=time.perf_counter() - start, weights_bytes=weights_bytes(model, device),
                parameters=parameters, attn_implementation_used=attn_used(model),
                step_flops=6.0 * parameters * batch * seq)
-    row.update(measure_point(model, setting, precision, batch, seq, device, record.get("use_cache", True)))
+    row.update(measure_point(model, setting, precision, batch, seq, device, record.use_cache))
     return finish_row(row)
 
 
-def base_columns(record: dict, precision: str, attn: str, setting: Setting, batch: int, seq: int) -> dict:
+def base_columns(record: ModelRecord, precision: str, attn: str, setting: Setting, batch: int, seq: int) -> dict:
     row = dict.fromkeys(COLUMNS)
-    row.update(model_id=record["model_id"], model_type=record.get("model_type"), family=record.get("family"),
-               parameters=record.get("parameters"), precision=precision, attn_implementation=attn,
-               batch_size=batch, seq_len=seq, tokens=batch * seq, config_source=record.get("config_source"),
-               config_revision=record.get("config_revision"), child_pid=os.getpid(), **asdict(setting))
+    row.update(model_id=record.model_id, model_type=record.model_type, family=record.family,
+               parameters=record.parameters, precision=precision, attn_implementation=attn,
+               batch_size=batch, seq_len=seq, tokens=batch * seq, config_source=record.config_source,
+               config_revision=record.config_revision, child_pid=os.getpid(), **asdict(setting))
     return row
 
 
@@ -405,7 +428,7 @@ def add_cli(subparsers) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="model id (looked up in --configs, else the registry or the Hub)")
     source.add_argument("--config", help="a Hugging Face config.json")
-    parser.add_argument("--configs", default="results/configs.json", help="output of `pipeline configs`")
+    parser.add_argument("--configs", default=CONFIGS, help="output of `pipeline configs`")
     parser.add_argument("--batch", type=positive_int, required=True)
     parser.add_argument("--seq", type=positive_int, required=True)
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
@@ -418,14 +441,8 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print the whole row as JSON")
     parser.set_defaults(handler=_measure_command)
 
-    from pipeline import sweep
-
-    sweep.add_cli(subparsers)
-
 
 def _measure_command(args) -> int:
-    from pipeline.sweep import model_record
-
     device = resolve_device(args.device)
     if device is None:
         raise UserError("no CUDA device here; use --device cpu for a (peak-less) CPU debug run")
@@ -441,13 +458,16 @@ def _measure_command(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m pipeline.memory ...`: only this stage's commands (measure, sweep), so that the GPU
-    machine does not depend on the other stages' imports."""
+def main(argv: list[str] | None = None, prog: str = "python -m pipeline.memory", commands=(add_cli,)) -> int:
+    """`python -m pipeline.memory measure ...`: only the `commands` given (each an `add_cli`), so that
+    the GPU machine does not depend on the other stages' imports (`python -m pipeline.sweep` adds
+    the sweep)."""
     from pipeline.arguments import OneLineParser
 
-    parser = OneLineParser(prog="python -m pipeline.memory")
-    add_cli(parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser))
+    parser = OneLineParser(prog=prog)
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for add in commands:
+        add(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.handler(args) or 0

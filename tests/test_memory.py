@@ -7,6 +7,7 @@ where no allocator peaks exist: those columns are None). CUDA is never touched.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -18,7 +19,11 @@ import pytest
 import yaml
 
 from pipeline import memory, sweep
-from pipeline.memory import COLUMN_DTYPES, COLUMNS, KEY_COLUMNS, Setting
+from pipeline.errors import UserError
+from pipeline.memory import COLUMN_DTYPES, COLUMNS
+from pipeline.step import Setting
+from pipeline.sweep.cli import main
+from pipeline.vocabulary import POINT_KEY
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_REGISTRY = REPO / "tests" / "data" / "models_small.yaml"
@@ -47,14 +52,14 @@ def configs_path(tmp_path_factory) -> Path:
     return path
 
 
-def make_plan(**overrides) -> dict:
+def make_plan(**overrides) -> sweep.Plan:
     data = {"grid": {"batch_sizes": [1, 2, 4], "seq_lens": [16, 32, 128]}, "precisions": ["fp32"], "models": [TINY]}
     data.update(overrides)
     return sweep.parse_plan(data)
 
 
-def make_jobs(plan: dict, configs_path) -> list[sweep.Job]:
-    records, missing = sweep.load_model_records(configs_path, sweep.plan_models(plan))
+def make_jobs(plan: sweep.Plan, configs_path) -> list[sweep.Job]:
+    records, missing = sweep.load_model_records(configs_path, plan.models)
     assert not missing
     return sweep.plan_jobs(plan, records)
 
@@ -68,8 +73,8 @@ def statuses(rows) -> dict:
 
 def test_plan_skips_points_beyond_context_and_over_the_compute_budget(configs_path):
     records, _ = sweep.load_model_records(configs_path, [TINY])
-    n = records[TINY]["parameters"]
-    assert n == records[TINY]["plan_parameters"] > 0
+    n = records[TINY].parameters
+    assert n == records[TINY].plan_parameters > 0
     budget = 6 * n * 2 * 32  # B*L up to 64 tokens fits
     [job] = make_jobs(make_plan(max_step_flops=budget), configs_path)
     reasons = {(p.batch_size, p.seq_len): p.skip_reason for p in job.points}
@@ -96,7 +101,7 @@ def test_plan_orders_jobs_by_precision_pass_then_size_and_settings_checkpointing
 
 def test_a_point_planned_by_two_groups_runs_if_either_runs_it(configs_path):
     records, _ = sweep.load_model_records(configs_path, [TINY])
-    tight = 6 * records[TINY]["parameters"] * 16  # only B*L <= 16
+    tight = 6 * records[TINY].parameters * 16  # only B*L <= 16
     plan = make_plan(max_step_flops=tight, variants=[
         {"name": "more budget", "points": [[2, 32]], "max_step_flops": 1e30, "models": [TINY]}])
     [job] = make_jobs(plan, configs_path)
@@ -122,7 +127,7 @@ def test_prune_reason_covers_larger_batches_and_longer_sequences():
     ({"grid": {"batch_sizes": [1], "seq_lens": [16]}, "modles": []}, "unknown key 'modles'"),
 ])
 def test_bad_plans_are_one_line_user_errors(data, message):
-    with pytest.raises(sweep.UserError, match=message) as info:
+    with pytest.raises(UserError, match=message) as info:
         sweep.parse_plan(data, "plan.yaml")
     assert "\n" not in str(info.value)
 
@@ -140,7 +145,7 @@ def cpu_sweep(configs_path, tmp_path_factory):
     plan = make_plan(
         precisions=["fp32", "bf16"], models=[TINY, BROKEN],
         grid={"batch_sizes": [1, 2], "seq_lens": [16, 32, 128]},
-        max_step_flops=6 * records[TINY]["parameters"] * 32,  # (2, 32) is over budget
+        max_step_flops=6 * records[TINY].parameters * 32,  # (2, 32) is over budget
         variants=[{"name": "ckpt", "gradient_checkpointing": True, "models": [TINY], "precisions": ["fp32"],
                    "points": [[2, 16]]},
                   {"name": "sgd", "optimizer": "sgd", "models": [TINY], "points": [[2, 16]]},
@@ -164,7 +169,7 @@ def test_cpu_sweep_rows_have_every_column_typed(cpu_sweep):
     stored = pd.read_parquet(parts.parent / "peak_memory.parquet")
     assert tuple(stored.columns) == COLUMNS
     assert {c: str(t) for c, t in stored.dtypes.items()} == COLUMN_DTYPES
-    assert not stored.duplicated(list(KEY_COLUMNS)).any()
+    assert not stored.duplicated(list(POINT_KEY)).any()
     assert set(stored["status"]) == {"ok", "skipped", "error"}
     ok = stored[stored["status"] == "ok"]
     assert (ok["measure_device"] == "cpu").all() and ok["peak_allocated_bytes"].isna().all()
@@ -210,7 +215,7 @@ def test_dry_run_prints_the_plan_and_its_estimate(configs_path, tmp_path, capsys
     plan.write_text(yaml.safe_dump({"grid": {"batch_sizes": [1, 2], "seq_lens": [16, 32]},
                                     "models": [TINY, "not/there"],
                                     "precisions": ["bf16", "fp32"]}))
-    code = memory.main(["sweep", "--dry-run", "--plan", str(plan), "--configs", str(configs_path),
+    code = main(["sweep", "--dry-run", "--plan", str(plan), "--configs", str(configs_path),
                         "--parts", str(tmp_path / "parts")])
     out = capsys.readouterr().out
     assert code == 0
@@ -226,13 +231,13 @@ def test_estimate_grows_with_the_work(configs_path):
     full = sweep.job_estimate(job, [], estimate, 80 * 2**30)
     half = sweep.job_estimate(job, [{**_key_row(job, p), "status": "ok"} for p in job.points[:3]], estimate, 80 * 2**30)
     assert full["measured"] == 6 and half["measured"] == 3  # L=128 is beyond the context
-    assert full["seconds"] > half["seconds"] > estimate["process_overhead_seconds"]
+    assert full["seconds"] > half["seconds"] > estimate.process_overhead_seconds
     tiny_gpu = sweep.job_estimate(job, [], estimate, 1)  # everything foreseen oom: one point runs, the rest pruned
     assert tiny_gpu["measured"] == 1 and tiny_gpu["foreseen_oom"] == 1
 
 
 def _key_row(job, point) -> dict:
-    return dict(zip(KEY_COLUMNS, job.key(point), strict=True))
+    return dict(zip(POINT_KEY, job.key(point), strict=True))
 
 
 # --- resuming --------------------------------------------------------------------------------------
@@ -339,7 +344,7 @@ def cannot_set_up_the_device(job, parts_dir, *args):
 
 def test_a_child_that_cannot_set_up_the_device_stops_the_sweep_without_rows(configs_path, tmp_path):
     jobs = make_jobs(make_plan(precisions=["fp32", "bf16"], grid={"batch_sizes": [1], "seq_lens": [16]}), configs_path)
-    with pytest.raises(sweep.UserError, match="rerun with --start-method spawn") as info:
+    with pytest.raises(UserError, match="rerun with --start-method spawn") as info:
         sweep.run_sweep(jobs, tmp_path, device="cpu", target=cannot_set_up_the_device, log=lambda *a: None)
     assert "CUDA error: initialization error" in str(info.value)
     starts = [e for e in sweep.read_rows(tmp_path / sweep.EVENTS_FILE) if e["event"] == "child_start"]
@@ -364,7 +369,7 @@ def test_time_limit_launches_nothing_when_too_close_and_leaves_the_work_pending(
 
 def test_a_child_stops_before_a_point_that_would_pass_the_deadline(configs_path, tmp_path):
     [job] = make_jobs(make_plan(grid={"batch_sizes": [1, 2], "seq_lens": [16]}), configs_path)
-    process = sweep.multiprocessing.get_context("fork").Process(
+    process = multiprocessing.get_context("fork").Process(
         target=sweep.run_job, args=(job, str(tmp_path), "cpu", time.time() + 1.0))
     process.start()
     process.join(60)
@@ -372,10 +377,23 @@ def test_a_child_stops_before_a_point_that_would_pass_the_deadline(configs_path,
     assert sweep.read_rows(sweep.part_path(tmp_path, job)) == []
 
 
+# --- the phase tracker -----------------------------------------------------------------------------
+
+def test_phase_tracker_names_the_failing_phase_and_tracks_nothing_on_the_cpu():
+    tracker = memory.PhaseTracker("cpu")
+    with tracker.phase("forward"):
+        assert tracker.current == "forward"
+    assert tracker.current is None
+    with pytest.raises(RuntimeError), tracker.phase("backward"):
+        raise RuntimeError("out of memory")
+    assert tracker.current == "backward"  # measure_point's reason says where it failed
+    assert set(tracker.columns().values()) == {None}
+
+
 # --- measure and the command line ------------------------------------------------------------------
 
 def test_measure_one_point_on_the_cpu(configs_path, capsys):
-    code = memory.main(["measure", "--model", TINY, "--configs", str(configs_path), "--batch", "2", "--seq", "16",
+    code = main(["measure", "--model", TINY, "--configs", str(configs_path), "--batch", "2", "--seq", "16",
                         "--precision", "bf16", "--optimizer", "sgd", "--device", "cpu", "--json"])
     row = json.loads(capsys.readouterr().out)
     assert code == 0 and row["status"] == "ok" and row["precision"] == "bf16"
@@ -391,7 +409,7 @@ def test_measure_one_point_on_the_cpu(configs_path, capsys):
 ])
 def test_bad_arguments_get_one_line_and_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
-        memory.main(argv)
+        main(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2 and message in err and err.count("\n") == 1
 
@@ -399,10 +417,10 @@ def test_bad_arguments_get_one_line_and_exit_2(argv, message, capsys):
 def test_bad_plan_and_unknown_precision_on_the_command_line(configs_path, tmp_path, capsys):
     plan = tmp_path / "plan.yaml"
     plan.write_text("grid: {batch_sizes: [1], seq_lens: [16]}\nprecisions: [fp8]\nmodels: []\n")
-    assert memory.main(["sweep", "--dry-run", "--plan", str(plan), "--configs", str(configs_path)]) == 2
+    assert main(["sweep", "--dry-run", "--plan", str(plan), "--configs", str(configs_path)]) == 2
     assert capsys.readouterr().err == f"error: {plan}: precisions: precision 'fp8' is not one of fp32, bf16, amp-bf16\n"
     plan.write_text("grid: {batch_sizes: [1], seq_lens: [16]}\nmodels: [test/tiny-llama]\n")
-    assert memory.main(["sweep", "--dry-run", "--plan", str(plan), "--configs", str(configs_path),
+    assert main(["sweep", "--dry-run", "--plan", str(plan), "--configs", str(configs_path),
                         "--precisions", "fp16"]) == 2
     assert "precision 'fp16' is not one of" in capsys.readouterr().err
 
@@ -412,20 +430,20 @@ def test_sweep_on_a_cpu_machine_reuses_the_committed_table(cpu_sweep, tmp_path, 
 
     _, parts, frame, *_ = cpu_sweep
     table = parts.parent / "peak_memory.parquet"
-    assert memory.main(["sweep", "--out", str(table)]) == 0
+    assert main(["sweep", "--out", str(table)]) == 0
     out = capsys.readouterr().out
     assert out == f"sweep: no CUDA device here; reusing the committed {table} ({len(frame)} rows)\n"
-    assert memory.main(["sweep", "--out", str(tmp_path / "absent.parquet")]) == 0
+    assert main(["sweep", "--out", str(tmp_path / "absent.parquet")]) == 0
     assert "no CUDA device here and no" in capsys.readouterr().out
     assert not torch.cuda.is_initialized()
 
 
 def test_aggregate_command_merges_parts(cpu_sweep, tmp_path, capsys):
     _, parts, frame, *_ = cpu_sweep
-    assert memory.main(["sweep", "--aggregate", "--parts", str(parts), "--out", str(tmp_path / "t.parquet")]) == 0
+    assert main(["sweep", "--aggregate", "--parts", str(parts), "--out", str(tmp_path / "t.parquet")]) == 0
     assert f"sweep: {len(frame)} rows (" in capsys.readouterr().out
     empty = ["sweep", "--aggregate", "--parts", str(tmp_path / "none"), "--out", str(tmp_path / "u.parquet")]
-    assert memory.main(empty) == 0
+    assert main(empty) == 0
     assert "nothing aggregated" in capsys.readouterr().out and not (tmp_path / "u.parquet").exists()
 
 
@@ -433,7 +451,7 @@ def test_the_gpu_machine_needs_no_jsonschema_snakemake_or_datasets():
     code = ("import sys\n"
             "for name in ('jsonschema', 'snakemake', 'datasets'): sys.modules[name] = None\n"
             "import pipeline.registry, pipeline.configs, pipeline.memory, pipeline.sweep\n"
-            "from pipeline.memory import main\n"
+            "from pipeline.sweep.cli import main\n"
             "sys.exit(main(['sweep', '--help']))\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

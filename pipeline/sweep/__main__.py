@@ -1,0 +1,5 @@
+import sys
+
+from pipeline.sweep.cli import main
+
+sys.exit(main())
