@@ -85,7 +85,7 @@ def model_id(wildcards):
 
 
 def plan_models():
-    from pipeline.sweep import load_plan, plan_models
+    from pipeline.sweep.plan import load_plan, plan_models
 
     return plan_models(load_plan(config["sweep_plan"]))
 

@@ -15,6 +15,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 REGISTRY = REPO / "models.yaml"
+SMALL_REGISTRY = REPO / "tests" / "data" / "models_small.yaml"
 COMMITTED_PEAKS = REPO / "results" / "peak_memory.parquet"
 # The quickest models to count, of two families: enough for a fit with leave-one-family-out.
 MODELS = ("EleutherAI/pythia-14m", "EleutherAI/pythia-70m", "distilbert/distilgpt2", "openai-community/gpt2")
@@ -66,3 +67,28 @@ def stage_results(root: Path) -> Path:
 def staged_results(tmp_path_factory) -> Path:
     """results/ of the real stages on the tiny registry (about 1-2 minutes, once per session)."""
     return stage_results(tmp_path_factory.getbasetemp() / "stage-results")
+
+
+def real_tables(directory: Path) -> tuple[Path, Path]:
+    """models.parquet and activations.parquet of the test registry, counted by the activations stage's code.
+
+    Hook counts at (1, 1) and fp32 saved-for-backward bytes at L = 16 and 32 only, to keep tests quick.
+    """
+    import pandas as pd
+
+    from pipeline.activations import ACTIVATION_COLUMNS, MODEL_COLUMNS, PointSet, count_model, read_jobs
+    from pipeline.configs import write_configs
+
+    configs = directory / "configs.json"
+    write_configs(SMALL_REGISTRY, configs, mode="embedded")
+    points = PointSet(hook=((1, 1),), saved=((1, 16), (1, 32)), precisions=("float32",))
+    results = [count_model(job, points) for job in read_jobs(SMALL_REGISTRY, configs)]
+    paths = directory / "models.parquet", directory / "activations.parquet"
+    pd.DataFrame([row for row, _ in results], columns=MODEL_COLUMNS).to_parquet(paths[0])
+    pd.DataFrame([row for _, rows in results for row in rows], columns=ACTIVATION_COLUMNS).to_parquet(paths[1])
+    return paths
+
+
+@pytest.fixture(scope="session")
+def tables(tmp_path_factory):
+    return real_tables(tmp_path_factory.mktemp("tables"))

@@ -13,13 +13,13 @@ from pipeline.coefficients import load_coefficients
 from pipeline.errors import UserError
 from pipeline.estimate import GIB, estimate, max_batch_size
 from pipeline.fit import run_fit
-from test_fit import REGISTRY, tables  # noqa: F401 - the session fixture, shared
+from conftest import SMALL_REGISTRY as REGISTRY
 
 QWEN_1_5B_PARAMETERS = 1_543_714_304
 
 
 @pytest.fixture(scope="module")
-def coefficients(tables, tmp_path_factory) -> Path:  # noqa: F811
+def coefficients(tables, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("estimate") / "coefficients.json"
     run_fit(*tables, path, resamples=100)
     return path

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -13,33 +12,7 @@ from pipeline.errors import UserError
 from pipeline.fit import HEURISTIC_FIT, fit_coefficients, run_fit
 from pipeline.formulas import BLOG_INTERCEPT, BLOG_SLOPE
 
-REGISTRY = Path(__file__).parent / "data" / "models_small.yaml"
 QWEN_1_5B = "Qwen/Qwen2.5-1.5B"
-
-
-def real_tables(directory: Path) -> tuple[Path, Path]:
-    """models.parquet and activations.parquet of the test registry, counted by the activations stage's code.
-
-    Hook counts at (1, 1) and fp32 saved-for-backward bytes at L = 16 and 32 only, to keep tests quick.
-    """
-    import pandas as pd
-
-    from pipeline.activations import ACTIVATION_COLUMNS, MODEL_COLUMNS, PointSet, count_model, read_jobs
-    from pipeline.configs import write_configs
-
-    configs = directory / "configs.json"
-    write_configs(REGISTRY, configs, mode="embedded")
-    points = PointSet(hook=((1, 1),), saved=((1, 16), (1, 32)), precisions=("float32",))
-    results = [count_model(job, points) for job in read_jobs(REGISTRY, configs)]
-    paths = directory / "models.parquet", directory / "activations.parquet"
-    pd.DataFrame([row for row, _ in results], columns=MODEL_COLUMNS).to_parquet(paths[0])
-    pd.DataFrame([row for _, rows in results for row in rows], columns=ACTIVATION_COLUMNS).to_parquet(paths[1])
-    return paths
-
-
-@pytest.fixture(scope="session")
-def tables(tmp_path_factory):
-    return real_tables(tmp_path_factory.mktemp("tables"))
 
 
 @pytest.fixture(scope="session")

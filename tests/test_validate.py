@@ -12,7 +12,6 @@ from pipeline.coefficients import load_coefficients
 from pipeline.estimate import estimate
 from pipeline.fit import run_fit
 from pipeline.validate import measured_rows, refit_without_family, run_validate
-from test_fit import tables  # noqa: F401 - the session fixture, shared
 
 PEAKS = Path(__file__).resolve().parent.parent / "results" / "peak_memory.parquet"
 needs_peaks = pytest.mark.skipif(
@@ -20,7 +19,7 @@ needs_peaks = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def coefficients(tables, tmp_path_factory):  # noqa: F811
+def coefficients(tables, tmp_path_factory):
     path = tmp_path_factory.mktemp("validate") / "coefficients.json"
     run_fit(*tables, path, peaks_path=PEAKS if PEAKS.is_file() else None, resamples=100)
     return path
