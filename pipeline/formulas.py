@@ -124,7 +124,7 @@ def unit_mismatch_example(parameters: int = 1_543_714_304, batch: int = 16, seq:
     """Qwen2.5-1.5B in numbers: the blog's A is already bytes, and its formula multiplies by P again.
 
     `hook_elements_per_token` is the count the blog itself reports (5,065,216 fp32 bytes / 4),
-    which our meta-device hook count reproduces (DESIGN.md).
+    which our meta-device hook count reproduces (docs/definitions.md).
     """
     a_bytes = blog_a_bytes(parameters)
     as_published = a_bytes * batch * seq * 4

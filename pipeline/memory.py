@@ -32,7 +32,7 @@ from pipeline.step import (STEPS, Setting, autocast, make_optimizer, set_trainin
                            zero_grad)
 from pipeline.vocabulary import ATTENTIONS, OPTIMIZERS, PRECISIONS, VARIANTS, check_choice
 
-# Column -> pandas dtype of results/peak_memory.parquet (DESIGN.md columns first).
+# Column -> pandas dtype of results/peak_memory.parquet (the contract columns of docs/architecture.md first).
 COLUMN_DTYPES = {
     "model_id": "string", "model_type": "string", "family": "string", "parameters": "Int64",
     "precision": "string", "optimizer": "string", "gradient_checkpointing": "boolean",

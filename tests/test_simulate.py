@@ -140,7 +140,7 @@ def test_sdpa_kernel_choice_follows_cuda_rules():
 
 
 def test_fp32_long_sequences_grow_quadratically_with_the_math_kernel():
-    """DESIGN.md: fp32 with grouped-query attention materialises (B, H, L, L) scores; bf16 (flash) does not."""
+    """fp32 with grouped-query attention materialises (B, H, L, L) scores; bf16 (flash) does not."""
     from pipeline.simulate import predict_peak
 
     facts = dict(TINY_LLAMA, num_hidden_layers=1)

@@ -1,6 +1,6 @@
 """The standard training step (`pipeline.step`) run under the live-byte tracker and CUDA's rules.
 
-The loop is DESIGN.md's (and `pipeline.memory`'s): a peak per phase (forward, backward, optimizer),
+The loop is the standard step of docs/definitions.md (`pipeline.step`, as `pipeline.memory` runs it): a peak per phase (forward, backward, optimizer),
 the maximum over three steps. Steps 2 and 3 are alike: they differ from step 1 by the optimizer
 state that exists from step 1 on (and the previous step's loss). So one forward and backward is
 run, then two optimizer steps: forward and backward peaks of step 2 are those of step 1 plus the
