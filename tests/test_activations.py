@@ -48,7 +48,7 @@ def test_small_models_counts(model_id, parameters, embedding, non_embedding, ele
 def test_meta_hook_count_equals_a_real_cpu_forward():
     import torch
 
-    from pipeline.activations import ModelCounter, hook_elements
+    from pipeline.activations.counts import ModelCounter, hook_elements
     from pipeline.modeling import build_model
 
     config = registry_config("EleutherAI/pythia-14m")
@@ -65,7 +65,7 @@ def test_saved_for_backward_on_meta_equals_a_real_cpu_training_forward():
     default flash kernel saves the log-sum-exp instead of the attention probabilities: fewer bytes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from pipeline.activations import ModelCounter, saved_storages
+    from pipeline.activations.counts import ModelCounter, saved_storages
     from pipeline.modeling import build_model
 
     config = registry_config("EleutherAI/pythia-14m")
@@ -84,7 +84,7 @@ def test_saved_for_backward_on_meta_equals_a_real_cpu_training_forward():
 
 
 def test_saved_for_backward_grows_with_sequence_and_precision():
-    from pipeline.activations import ModelCounter
+    from pipeline.activations.counts import ModelCounter
 
     counter = ModelCounter(registry_config("EleutherAI/pythia-14m"))
     fp32 = {seq: counter.saved(1, seq, "float32").bytes / seq for seq in (32, 256)}
@@ -123,7 +123,7 @@ def test_count_with_batch_and_seq_adds_saved_bytes():
 def test_stage_writes_both_tables(tmp_path, capsys):
     import pandas as pd
 
-    from pipeline.activations import ACTIVATION_COLUMNS, MODEL_COLUMNS
+    from pipeline.activations.table import ACTIVATION_COLUMNS, MODEL_COLUMNS
 
     configs = tmp_path / "configs.json"
     assert main(["configs", "--registry", str(REGISTRY), "--out", str(configs), "--source", "embedded"]) == 0
@@ -146,7 +146,7 @@ def test_stage_writes_both_tables(tmp_path, capsys):
 def test_a_failing_model_becomes_a_row_and_the_others_go_on(tmp_path):
     import pandas as pd
 
-    from pipeline.activations import write_activations
+    from pipeline.activations.stage import write_activations
     from pipeline.configs import write_configs
 
     import yaml
@@ -168,7 +168,7 @@ def test_a_failing_model_becomes_a_row_and_the_others_go_on(tmp_path):
 def test_configs_skipped_by_the_configs_stage_become_skipped_rows(tmp_path):
     import json
 
-    from pipeline.activations import read_jobs
+    from pipeline.activations.stage import read_jobs
     from pipeline.configs import write_configs
 
     configs = tmp_path / "configs.json"
@@ -248,7 +248,7 @@ REPLAY_POINTS = (("hook", (1, 1)), ("hook", (2, 96)), ("saved", (1, 64, "float32
 
 @pytest.mark.parametrize("model_id", REPLAY_CASES)
 def test_layer_replay_counts_equal_full_forwards(model_id):
-    from pipeline.activations import ModelCounter
+    from pipeline.activations.counts import ModelCounter
 
     config = registry_config(model_id, FULL_REGISTRY)
     replayed, full = ModelCounter(config), ModelCounter(config, replay_layers=False)
@@ -262,7 +262,8 @@ def test_layer_replay_counts_equal_full_forwards(model_id):
 
 def test_time_estimate_skips_only_forwards_that_grow_with_the_sequence():
     """Hook forward times of mamba-370m (a Python scan) and codegen-16B (attention) on this CPU."""
-    from pipeline.activations import POINT_ESTIMATE_LIMIT_S, TimeEstimate
+    from pipeline.activations.points import POINT_ESTIMATE_LIMIT_S
+    from pipeline.activations.table import TimeEstimate
 
     scan, attention = TimeEstimate(), TimeEstimate()
     for seq, seconds in ((1, 0.046), (128, 0.128), (1024, 0.667)):
