@@ -260,16 +260,53 @@ def test_layer_replay_counts_equal_full_forwards(model_id):
         assert full.last_tally.replayed_layers == 0
 
 
-def test_time_estimate_skips_only_forwards_that_grow_with_the_sequence():
-    """Hook forward times of mamba-370m (a Python scan) and codegen-16B (attention) on this CPU."""
-    from pipeline.activations.points import POINT_ESTIMATE_LIMIT_S
-    from pipeline.activations.table import TimeEstimate
+class SlowingClock:
+    """A perf_counter whose every call is 100 s later than the last gap: a machine far slower than any."""
 
-    scan, attention = TimeEstimate(), TimeEstimate()
-    for seq, seconds in ((1, 0.046), (128, 0.128), (1024, 0.667)):
-        scan.observe(seq, seconds, "hook")
-    for seq, seconds in ((1, 0.088), (128, 0.072), (1024, 0.068)):
-        attention.observe(seq, seconds, "hook")
-    attention.observe(128, 0.75, "saved")  # a training forward costs more: not a sign of a scan
-    assert scan.seconds(8192, "saved") > POINT_ESTIMATE_LIMIT_S > scan.seconds(2048, "saved")
-    assert attention.seconds(8192, "saved") == 0.0
+    def __init__(self):
+        self.now, self.step = 0.0, 0.0
+
+    def perf_counter(self):
+        self.step += 100.0
+        self.now += self.step
+        return self.now
+
+
+def test_points_skipped_follow_from_the_model_and_the_point_not_from_timings(monkeypatch):
+    """A recurrent scan (mamba) is counted up to SCAN_MAX_SEQ_LEN; attention (gpt2) beyond it; both
+    whatever the forwards' times (a clock that slows down at every call)."""
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, MambaConfig
+
+    from pipeline.activations import counts, table
+    from pipeline.activations.points import SCAN_MAX_SEQ_LEN, POINT_TIME_LIMIT_S, PointSet
+    from pipeline.activations.table import ModelJob, count_model
+
+    clock = SlowingClock()
+    for module in (counts, table):
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    points = PointSet(hook=((1, 1), (1, 8)), saved=((1, 8), (1, SCAN_MAX_SEQ_LEN + 1)), precisions=("float32",))
+    mamba = MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=3, expand=2)
+    gpt2 = GPT2Config(vocab_size=64, n_embd=16, n_layer=3, n_head=2, n_positions=4096)
+    statuses = {}
+    for model_type, config in (("mamba", mamba), ("gpt2", gpt2)):
+        model_row, rows = count_model(ModelJob(f"test/tiny-{model_type}", "test", model_type, config), points)
+        assert model_row["status"] == "ok"
+        statuses[model_type] = [(r["method"], r["dtype"], r["seq_len"], r["status"], r["reason"]) for r in rows]
+        assert all(r["seconds"] > POINT_TIME_LIMIT_S for r in rows if r["status"] == "ok")  # the slow clock ran
+    counted = [("hook", "float32", 1, "ok", None), ("hook", "bfloat16", 1, "ok", None),
+               ("hook", "float32", 8, "ok", None), ("hook", "bfloat16", 8, "ok", None),
+               ("saved", "float32", 8, "ok", None)]
+    rule = f"recurrent scan without its CUDA kernels: counted up to L={SCAN_MAX_SEQ_LEN}"
+    assert statuses["mamba"] == [*counted, ("saved", "float32", SCAN_MAX_SEQ_LEN + 1, "skipped", rule)]
+    assert statuses["gpt2"] == [*counted, ("saved", "float32", SCAN_MAX_SEQ_LEN + 1, "ok", None)]
+
+
+def test_skip_rule_boundaries():
+    from pipeline.activations.points import SCAN_MAX_SEQ_LEN, skip_reason
+
+    assert skip_reason(("mamba", "mamba"), SCAN_MAX_SEQ_LEN, None) is None
+    assert "recurrent scan" in skip_reason(("llava", "mamba"), SCAN_MAX_SEQ_LEN + 1, None)  # a wrapped scan model
+    assert skip_reason(("llama", "llama"), SCAN_MAX_SEQ_LEN + 1, None) is None
+    assert skip_reason(("mamba", "mamba"), 4096, 1024) == "seq_len 4096 beyond the context length 1024"

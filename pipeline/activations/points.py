@@ -37,12 +37,28 @@ POINT_SETS = {
 }
 DEFAULT_POINTS = "standard"
 
-# A meta forward costs the same at any L, except where the model loops over the sequence in Python
-# (e.g. state-space models without their CUDA kernels). Once that shows, points whose estimated
-# time passes this limit are skipped; no point runs longer than the hard limit.
-POINT_ESTIMATE_LIMIT_S = 3.0
-POINT_TIME_LIMIT_S = 60.0
-MODEL_TIME_LIMIT_S = 300.0
+# Which points are counted is decided from the model and the point alone, never from timings, so
+# that the table does not depend on the machine's speed. A meta forward costs about the same at any
+# L, except where the model loops over the sequence in Python: recurrent scans whose CUDA kernels
+# (mamba-ssm, causal-conv1d, the RG-LRU and WKV kernels) are absent on meta and the CPU, so that
+# transformers runs a per-token loop (mamba2-style chunked scans do not loop per token). Those are
+# counted up to this L (2-5 s per training forward on 2 cores).
+SEQUENTIAL_SCAN_MODEL_TYPES = frozenset({"mamba", "falcon_mamba", "recurrent_gemma", "rwkv", "jamba", "zamba"})
+SCAN_MAX_SEQ_LEN = 2048
 # A CPU forward (the last path) holds its activations for real: it is tried only when they are
-# likely (8 bytes x hook elements per token x tokens) to stay below this.
+# likely (8 bytes x hook elements per token x tokens) to stay below this; this also bounds its
+# time, which grows with the tokens (jetmoe-8b: up to 128 tokens, 3-10 s).
 CPU_FORWARD_MAX_BYTES = 4 * 2**30
+# A safety net only (no registry point comes near it): a point still running then is an error.
+POINT_TIME_LIMIT_S = 60.0
+
+
+def skip_reason(model_types, seq: int, context: int | None) -> str | None:
+    """Why the point (any batch, `seq` tokens per sequence) of a model is not counted, or None.
+
+    `model_types`: the model's model_type and its text model's (a wrapper around a scan model)."""
+    if context and seq > context:
+        return f"seq_len {seq} beyond the context length {context}"
+    if seq > SCAN_MAX_SEQ_LEN and SEQUENTIAL_SCAN_MODEL_TYPES & set(model_types):
+        return f"recurrent scan without its CUDA kernels: counted up to L={SCAN_MAX_SEQ_LEN}"
+    return None

@@ -1,4 +1,4 @@
-"""The rows of models.parquet and activations.parquet for one model, within the time limits."""
+"""The rows of models.parquet and activations.parquet for one model (which points, the time limit)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ from pipeline.activations.counts import Measurement, ModelCounter, PointTimeout,
 from pipeline.activations.points import (
     DEFAULT_POINTS,
     HOOK_DTYPES,
-    MODEL_TIME_LIMIT_S,
-    POINT_ESTIMATE_LIMIT_S,
     POINT_SETS,
     POINT_TIME_LIMIT_S,
     PRECISION_BYTES,
     PointSet,
+    skip_reason,
 )
-from pipeline.modeling import architecture_facts, parameter_counts
+from pipeline.modeling import architecture_facts, parameter_counts, text_config
 
 
 MODEL_COLUMNS = (
@@ -75,24 +74,19 @@ def count_model(job: ModelJob, points: PointSet = POINT_SETS[DEFAULT_POINTS]):
 
 
 def measure_points(counter: ModelCounter, base: dict, wanted: list, context: int | None) -> list[dict]:
-    """One row per point (two per hook point: float32 and bfloat16 bytes), within the time limits."""
-    estimate = TimeEstimate()
-    deadline = time.perf_counter() + MODEL_TIME_LIMIT_S
+    """One row per point (two per hook point: float32 and bfloat16 bytes); which points are counted
+    follows from the model and the point (points.skip_reason), never from timings."""
+    config = counter.config
+    model_types = (getattr(config, "model_type", None), getattr(text_config(config), "model_type", None))
     rows = []
     for method, dtype, batch, seq in wanted:
-        left = deadline - time.perf_counter()
-        if context and seq > context:
-            measurement = Measurement(status="skipped", reason=f"seq_len {seq} beyond the context length {context}")
-        elif (estimated := estimate.seconds(seq, method)) > POINT_ESTIMATE_LIMIT_S:
-            measurement = Measurement(status="skipped", reason=(
-                f"estimated {estimated:.0f} s: the forward's time grows with the sequence length"))
-        elif left <= 0:
-            measurement = Measurement(status="error", reason=f"model time limit of {MODEL_TIME_LIMIT_S:.0f} s reached")
+        reason = skip_reason(model_types, seq, context)
+        if reason:
+            measurement = Measurement(status="skipped", reason=reason)
         else:
             try:
-                with time_limit(min(POINT_TIME_LIMIT_S, left)):
+                with time_limit(POINT_TIME_LIMIT_S):
                     measurement = counter.hook(batch, seq) if method == "hook" else counter.saved(batch, seq, dtype)
-                estimate.observe(seq, measurement.seconds, method)
             except PointTimeout as exc:
                 measurement = Measurement(status="error", reason=str(exc))
         rows.extend(_rows(base, method, dtype, batch, seq, measurement))
@@ -140,24 +134,3 @@ def time_limit(seconds: float | None):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-
-
-class TimeEstimate:
-    """Seconds a forward spends per sequence position, from the hook forwards (which run first, from
-    L=1 to L=1024). A meta forward costs about the same at any L, except where the model loops over
-    the sequence in Python (a recurrent scan without its CUDA kernel): then the cost grows with L."""
-
-    def __init__(self):
-        self.first = None  # (seq_len, seconds) of the first hook forward
-        self.seconds_per_position = 0.0
-
-    def observe(self, seq: int, seconds: float, method: str) -> None:
-        if method != "hook":
-            return  # a training forward costs more at any L: comparing it with a hook forward says nothing
-        if self.first is None:
-            self.first = (seq, seconds)
-        elif seq > self.first[0]:  # the longest hook forward so far: the least noisy slope
-            self.seconds_per_position = max(0.0, (seconds - self.first[1]) / (seq - self.first[0]))
-
-    def seconds(self, seq: int, method: str) -> float:
-        return self.seconds_per_position * seq * (2 if method == "saved" else 1)  # a training forward: ~2x
