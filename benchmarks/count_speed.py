@@ -85,7 +85,7 @@ def child(mode: str) -> None:
     start = time.perf_counter()
     import torch
 
-    from pipeline.activations import ModelCounter, hook_elements
+    from pipeline.activations.counts import ModelCounter, hook_elements
     from pipeline.configs import resolve_model
     from pipeline.modeling import build_model
 

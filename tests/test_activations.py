@@ -48,7 +48,7 @@ def test_small_models_counts(model_id, parameters, embedding, non_embedding, ele
 def test_meta_hook_count_equals_a_real_cpu_forward():
     import torch
 
-    from pipeline.activations import ModelCounter, hook_elements
+    from pipeline.activations.counts import ModelCounter, hook_elements
     from pipeline.modeling import build_model
 
     config = registry_config("EleutherAI/pythia-14m")
@@ -65,7 +65,7 @@ def test_saved_for_backward_on_meta_equals_a_real_cpu_training_forward():
     default flash kernel saves the log-sum-exp instead of the attention probabilities: fewer bytes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from pipeline.activations import ModelCounter, saved_storages
+    from pipeline.activations.counts import ModelCounter, saved_storages
     from pipeline.modeling import build_model
 
     config = registry_config("EleutherAI/pythia-14m")
@@ -84,7 +84,7 @@ def test_saved_for_backward_on_meta_equals_a_real_cpu_training_forward():
 
 
 def test_saved_for_backward_grows_with_sequence_and_precision():
-    from pipeline.activations import ModelCounter
+    from pipeline.activations.counts import ModelCounter
 
     counter = ModelCounter(registry_config("EleutherAI/pythia-14m"))
     fp32 = {seq: counter.saved(1, seq, "float32").bytes / seq for seq in (32, 256)}
@@ -123,7 +123,7 @@ def test_count_with_batch_and_seq_adds_saved_bytes():
 def test_stage_writes_both_tables(tmp_path, capsys):
     import pandas as pd
 
-    from pipeline.activations import ACTIVATION_COLUMNS, MODEL_COLUMNS
+    from pipeline.activations.table import ACTIVATION_COLUMNS, MODEL_COLUMNS
 
     configs = tmp_path / "configs.json"
     assert main(["configs", "--registry", str(REGISTRY), "--out", str(configs), "--source", "embedded"]) == 0
@@ -146,7 +146,7 @@ def test_stage_writes_both_tables(tmp_path, capsys):
 def test_a_failing_model_becomes_a_row_and_the_others_go_on(tmp_path):
     import pandas as pd
 
-    from pipeline.activations import write_activations
+    from pipeline.activations.stage import write_activations
     from pipeline.configs import write_configs
 
     import yaml
@@ -168,7 +168,7 @@ def test_a_failing_model_becomes_a_row_and_the_others_go_on(tmp_path):
 def test_configs_skipped_by_the_configs_stage_become_skipped_rows(tmp_path):
     import json
 
-    from pipeline.activations import read_jobs
+    from pipeline.activations.stage import read_jobs
     from pipeline.configs import write_configs
 
     configs = tmp_path / "configs.json"
@@ -248,7 +248,7 @@ REPLAY_POINTS = (("hook", (1, 1)), ("hook", (2, 96)), ("saved", (1, 64, "float32
 
 @pytest.mark.parametrize("model_id", REPLAY_CASES)
 def test_layer_replay_counts_equal_full_forwards(model_id):
-    from pipeline.activations import ModelCounter
+    from pipeline.activations.counts import ModelCounter
 
     config = registry_config(model_id, FULL_REGISTRY)
     replayed, full = ModelCounter(config), ModelCounter(config, replay_layers=False)
@@ -260,15 +260,53 @@ def test_layer_replay_counts_equal_full_forwards(model_id):
         assert full.last_tally.replayed_layers == 0
 
 
-def test_time_estimate_skips_only_forwards_that_grow_with_the_sequence():
-    """Hook forward times of mamba-370m (a Python scan) and codegen-16B (attention) on this CPU."""
-    from pipeline.activations import POINT_ESTIMATE_LIMIT_S, TimeEstimate
+class SlowingClock:
+    """A perf_counter whose every call is 100 s later than the last gap: a machine far slower than any."""
 
-    scan, attention = TimeEstimate(), TimeEstimate()
-    for seq, seconds in ((1, 0.046), (128, 0.128), (1024, 0.667)):
-        scan.observe(seq, seconds, "hook")
-    for seq, seconds in ((1, 0.088), (128, 0.072), (1024, 0.068)):
-        attention.observe(seq, seconds, "hook")
-    attention.observe(128, 0.75, "saved")  # a training forward costs more: not a sign of a scan
-    assert scan.seconds(8192, "saved") > POINT_ESTIMATE_LIMIT_S > scan.seconds(2048, "saved")
-    assert attention.seconds(8192, "saved") == 0.0
+    def __init__(self):
+        self.now, self.step = 0.0, 0.0
+
+    def perf_counter(self):
+        self.step += 100.0
+        self.now += self.step
+        return self.now
+
+
+def test_points_skipped_follow_from_the_model_and_the_point_not_from_timings(monkeypatch):
+    """A recurrent scan (mamba) is counted up to SCAN_MAX_SEQ_LEN; attention (gpt2) beyond it; both
+    whatever the forwards' times (a clock that slows down at every call)."""
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, MambaConfig
+
+    from pipeline.activations import counts, table
+    from pipeline.activations.points import SCAN_MAX_SEQ_LEN, POINT_TIME_LIMIT_S, PointSet
+    from pipeline.activations.table import ModelJob, count_model
+
+    clock = SlowingClock()
+    for module in (counts, table):
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    points = PointSet(hook=((1, 1), (1, 8)), saved=((1, 8), (1, SCAN_MAX_SEQ_LEN + 1)), precisions=("float32",))
+    mamba = MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=3, expand=2)
+    gpt2 = GPT2Config(vocab_size=64, n_embd=16, n_layer=3, n_head=2, n_positions=4096)
+    statuses = {}
+    for model_type, config in (("mamba", mamba), ("gpt2", gpt2)):
+        model_row, rows = count_model(ModelJob(f"test/tiny-{model_type}", "test", model_type, config), points)
+        assert model_row["status"] == "ok"
+        statuses[model_type] = [(r["method"], r["dtype"], r["seq_len"], r["status"], r["reason"]) for r in rows]
+        assert all(r["seconds"] > POINT_TIME_LIMIT_S for r in rows if r["status"] == "ok")  # the slow clock ran
+    counted = [("hook", "float32", 1, "ok", None), ("hook", "bfloat16", 1, "ok", None),
+               ("hook", "float32", 8, "ok", None), ("hook", "bfloat16", 8, "ok", None),
+               ("saved", "float32", 8, "ok", None)]
+    rule = f"recurrent scan without its CUDA kernels: counted up to L={SCAN_MAX_SEQ_LEN}"
+    assert statuses["mamba"] == [*counted, ("saved", "float32", SCAN_MAX_SEQ_LEN + 1, "skipped", rule)]
+    assert statuses["gpt2"] == [*counted, ("saved", "float32", SCAN_MAX_SEQ_LEN + 1, "ok", None)]
+
+
+def test_skip_rule_boundaries():
+    from pipeline.activations.points import SCAN_MAX_SEQ_LEN, skip_reason
+
+    assert skip_reason(("mamba", "mamba"), SCAN_MAX_SEQ_LEN, None) is None
+    assert "recurrent scan" in skip_reason(("llava", "mamba"), SCAN_MAX_SEQ_LEN + 1, None)  # a wrapped scan model
+    assert skip_reason(("llama", "llama"), SCAN_MAX_SEQ_LEN + 1, None) is None
+    assert skip_reason(("mamba", "mamba"), 4096, 1024) == "seq_len 4096 beyond the context length 1024"
