@@ -26,7 +26,7 @@ where CUDA's may not (bf16, and fp32 without grouped-query attention, use those 
 
 Modules: `points` (point sets, precisions, limits), `counts` (the two counts, one model's
 forwards and their fallback paths), `dispatch` (the meta and CPU dispatch modes; torch),
-`autocast_emulation` (CUDA's autocast policy on any device; torch), `replay` (layer replay),
+`replay` (layer replay; the amp-bf16 forward uses CUDA's autocast policy of `pipeline.autocast`),
 `table` (one model's rows), `stage` (every registry model, worker processes), `one_model`
 (`count()`), `cli`. Importing this package imports no torch.
 """

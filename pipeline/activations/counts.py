@@ -51,7 +51,7 @@ def saved_storages(model, ids, autocast: bool = False, replay: bool = False,
     """
     import torch
 
-    from pipeline.activations.autocast_emulation import CudaAutocast
+    from pipeline.autocast import CudaAutocast
 
     state = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
     storages = {}
@@ -72,7 +72,7 @@ def saved_storages(model, ids, autocast: bool = False, replay: bool = False,
         stack.enter_context(torch.enable_grad())
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None))  # no backward
         if autocast:
-            stack.enter_context(CudaAutocast())
+            stack.enter_context(CudaAutocast(device_type=ids.device.type).autocast(torch.bfloat16))
         stack.enter_context(replayed_layers(model, tally, replay, storages))
         model(input_ids=ids, labels=ids, use_cache=False)
     return tally.saved_bytes, tally.saved_elements
