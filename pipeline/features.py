@@ -46,6 +46,8 @@ LAYOUT = {
     "cohere2": (0, 0, 0, 0, 1, 0), "nemotron": (0, 0, 0, 1, 2, 0), "falcon": (0, 0, 0, 1, 2, 0),
 }
 DEFAULT_LAYOUT = (0, 0, 0, 0, 2, 0)  # llama-like: no biases, RMSNorm weight only, two norms per layer
+# Implementations that run every routed expert on every token (the router only weights the outputs).
+EVERY_EXPERT = {"llama4_text"}
 RECURRENT = {"mamba", "mamba2", "recurrent_gemma", "rwkv"}
 
 FEATURES = {
@@ -55,7 +57,8 @@ FEATURES = {
     "attention_output": "attention layers x num_attention_heads x head_dim (attention context)",
     "mlp": "dense layers x MLP width (intermediate_size; shared experts added)",
     "mlp_gated": "gated dense layers x MLP width (the third matrix of a gated MLP)",
-    "experts": "MoE layers x num_experts_per_tok x moe_intermediate_size (routed expert width per token)",
+    "experts": "MoE layers x num_experts_per_tok x moe_intermediate_size (routed expert width per token; "
+               "num_experts instead of num_experts_per_tok where every expert runs on every token: Llama 4)",
     "router": "MoE layers x num_experts (router logits)",
     "recurrent": "recurrent layers x expand x hidden_size (state-space / recurrent inner width)",
     "vocabulary": "vocab_size (logits of one token)",
@@ -308,7 +311,8 @@ def feature_values(facts: Facts, seq_len: int = 1) -> dict:
         "attention_output": attention * facts.q_dim,
         "mlp": dense,
         "mlp_gated": dense if facts.gated else 0,
-        "experts": facts.moe_layers * facts.top_k * facts.moe_intermediate,
+        "experts": facts.moe_layers * facts.moe_intermediate
+        * (facts.experts if facts.model_type in EVERY_EXPERT else facts.top_k),
         "router": facts.moe_layers * facts.experts,
         "recurrent": facts.recurrent_layers * facts.recurrent_width,
         "vocabulary": facts.vocab,
