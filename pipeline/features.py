@@ -126,7 +126,7 @@ def _int(config: dict, fact: str, default=None, unread=None):
     value = lookup(config, FIELDS[fact])
     if isinstance(value, (int, float)) and value > 0:
         return int(value)
-    if unread is not None and default is None:
+    if unread is not None:
         unread.append(f"{fact} ({'/'.join(FIELDS[fact][:3])})")
     return default
 

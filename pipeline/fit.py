@@ -407,6 +407,10 @@ def fit_coefficients(models, activations, peaks=None, seed: int = SEED,
         used = pd.concat([peak_rows(peaks, False), peak_rows(peaks, True)])
         data_hashes["peak_rows"] = rows_sha256(used, ["model_id", "precision", "optimizer", "gradient_checkpointing",
                                                 "batch_size", "seq_len", "peak_allocated_bytes"])
+    if records is None and Path(CONFIGS).is_file():
+        from pipeline.configs import read_config_records
+
+        records = read_config_records(CONFIGS)
     formula, _ = fit_formula(models, activations, peaks, records or {}, seed=seed)
     versions = software()
     coefficients = {

@@ -77,6 +77,8 @@ def fit_terms(x, y, families, ids, terms, resamples: int = RESAMPLES, seed: int 
     for _ in range(resamples):
         pick = np.concatenate([np.flatnonzero(ids == i) for i in rng.choice(unique_ids, len(unique_ids))])
         draws.append(_fit(x[pick], y[pick], weights[pick]).coef_)
+    if not draws:  # no intervals asked for (a cross-validation refit)
+        draws = [model.coef_]
     low, high = np.percentile(np.array(draws), [2.5, 97.5], axis=0)
     return {
         "coefficients": dict(zip(terms, map(float, model.coef_))),
