@@ -16,7 +16,7 @@ from pipeline.formulas import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, INTERMED
 from pipeline.paths import DEFAULT_COEFFICIENTS
 from pipeline.vocabulary import PRECISIONS
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the closed-form activation formula ('activation_formula')
 SCHEMA_PATH = Path(__file__).with_name("coefficients.schema.json")
 
 
@@ -32,7 +32,8 @@ def check_coefficients(data, label: str = "coefficients") -> dict:
         raise UserError(f"{label}: not a coefficient file (expected a JSON object)")
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise UserError(f"{label}: schema_version {version!r} is not supported (this code reads {SCHEMA_VERSION})")
+        raise UserError(f"{label}: coefficient file schema_version {version!r} is not supported (this code reads "
+                        f"{SCHEMA_VERSION}); remake it with `python -m pipeline fit`")
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(load_schema()).iter_errors(data))
     if error is not None:
         where = ".".join(str(p) for p in error.absolute_path) or "(top level)"

@@ -191,7 +191,84 @@ class ExactEstimator(Estimator):
                                            "notes": ["simulated by pipeline.simulate.predict_peak"]})
 
 
-ESTIMATORS = {"blog": BlogEstimator, "heuristic": HeuristicEstimator, "exact": ExactEstimator}  # by METHODS
+@dataclass
+class FormulaEstimator(ClosedFormEstimator):
+    """The closed-form formula of coefficients.json v2 on a config.json dict: no torch, no transformers."""
+
+    coefficients: dict
+
+    name = "formula"
+    needs_config = True
+
+    @classmethod
+    def load(cls, coefficients=None) -> FormulaEstimator:
+        return cls(resolve_coefficients(coefficients))
+
+    def predict(self, target: Target, run: Run) -> Estimate:
+        from pipeline.features import read_facts
+        from pipeline.formula_fit import HOOK_TERMS, design, peak_group, predict_peak
+
+        section = self.coefficients["activation_formula"]
+        facts = read_facts(config_dict(target.config))
+        group = peak_group(run.precision, run.checkpointing)
+        if group not in section["peak"]:
+            raise UserError(f"method 'formula': the coefficient file has no peak fit for {group}")
+        result = predict_peak(section["peak"], facts, target.parameters, run.batch, run.seq, run.precision,
+                              run.optimizer, run.checkpointing)
+        hook = section["hook_elements"]["coefficients"]
+        elements = sum(hook[t] * v for t, v in zip(HOOK_TERMS, design(facts, 1, HOOK_TERMS)))
+        return Estimate(result["peak_bytes"], result["components"], {
+            "activations_per_token": elements, "activations_per_token_unit": "elements (hook method, formula)",
+            "unread_terms": list(facts.unread),
+            "notes": ["closed-form formula of coefficients.json 'activation_formula' (fitted per precision on "
+                      "measured H200 peaks; the kernel choice is in the coefficients, not in the config)"]})
+
+
+ESTIMATORS = {"blog": BlogEstimator, "heuristic": HeuristicEstimator, "exact": ExactEstimator,
+              "formula": FormulaEstimator}  # by METHODS
+
+
+def config_dict(config) -> dict:
+    """A config.json dict from a dict or a transformers config."""
+    return config if isinstance(config, dict) else config.to_dict()
+
+
+def formula_target(model=None, config=None) -> Target:
+    """The target of the formula: config facts and N in closed form, without building (or importing) a model."""
+    from pipeline.features import parameter_count, read_facts
+
+    if model is not None:
+        from pipeline.configs import read_config_records
+        from pipeline.paths import CONFIGS
+
+        record = read_config_records(CONFIGS).get(model) if Path(CONFIGS).is_file() else None
+        if not record or record.get("status") != "ok":
+            raise UserError(f"{model}: method 'formula' reads config facts from {CONFIGS} or --config; not there")
+        config, label = record["config"], model
+    elif isinstance(config, (str, Path)):
+        config, label = read_config_file(config), str(config)
+    else:
+        config, label = config_dict(config), "config"
+    if not isinstance(config.get("model_type"), str):
+        raise UserError(f"{label}: no model_type in the config")
+    facts = read_facts(config)
+    if not facts.hidden or not facts.layers or not facts.vocab:
+        raise UserError(f"{label}: cannot read the model's shape ({', '.join(facts.unread)})")
+    n, active = parameter_count(facts)
+    return Target(n, str(config.get("_name_or_path") or label), config, active)
+
+
+def read_config_file(path) -> dict:
+    path = Path(path)
+    try:
+        facts = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"{path}: not a readable JSON config file") from None
+    if not isinstance(facts, dict):
+        raise UserError(f"{path}: not a JSON object")
+    return facts
 
 
 def exact_peak(config, batch, seq, precision, optimizer, checkpointing, attn_implementation=None):
@@ -282,6 +359,8 @@ def resolve_target(model=None, config=None, params=None, method="heuristic", act
         return Target(n, active_parameters=active)
     if active_params is not None:
         raise UserError("active params go with params; a model or config gives its own")
+    if method == "formula":
+        return formula_target(model, config)
     model_id, built = resolve_config(model, config)
     n, active = count_parameters(built)
     return Target(n, model_id, built, active)

@@ -39,10 +39,13 @@ from pipeline.coefficients import SCHEMA_VERSION, default_constants, estimator_s
 from pipeline.errors import UserError
 from pipeline.formulas import (BLOG_A_BYTES_PER_ELEMENT, BLOG_INTERCEPT, BLOG_SLOPE, blog_a_bytes,
                                training_components, unit_mismatch_example)
-from pipeline.paths import ACTIVATIONS, COEFFICIENTS, MODELS
+from pipeline.paths import ACTIVATIONS, COEFFICIENTS, CONFIGS, MODELS
 from pipeline.vocabulary import OPTIMIZERS, PRECISION_OF_DTYPE, PRECISIONS
 
 SEED = 0
+FORMULA_TABLE_HEADER = ("Closed-form activation formula (pipeline/features.py, fitted by pipeline/formula_fit.py) "
+                        "beside A = a*N + b, the blog's published line and Korthikanti et al.; |relative error| "
+                        "per model (hook) or per (model, B, L) point (saved bytes).\n\n")
 KFOLD_SPLITS = 5
 BOOTSTRAP_RESAMPLES = 1000
 INTERVAL_LEVEL = 0.95
@@ -369,8 +372,14 @@ def peak_constants(peaks, a: float, b: float, active: dict | None = None) -> dic
 
 
 def fit_coefficients(models, activations, peaks=None, seed: int = SEED,
-                     resamples: int = BOOTSTRAP_RESAMPLES, inputs: dict | None = None) -> dict:
-    """Every fit, the blog's evaluation and the estimator's constants, as the coefficient file's dict."""
+                     resamples: int = BOOTSTRAP_RESAMPLES, inputs: dict | None = None, records: dict | None = None) -> dict:
+    """Every fit, the blog's evaluation and the estimator's constants, as the coefficient file's dict.
+
+    `records`: configs.json records (the closed-form formula's features); the formula's section is
+    fitted from them (`pipeline.formula_fit`).
+    """
+    from pipeline.formula_fit import fit_formula
+
     from importlib import metadata
 
     from pipeline.provenance import PACKAGE_VERSION
@@ -398,6 +407,11 @@ def fit_coefficients(models, activations, peaks=None, seed: int = SEED,
         used = pd.concat([peak_rows(peaks, False), peak_rows(peaks, True)])
         data_hashes["peak_rows"] = rows_sha256(used, ["model_id", "precision", "optimizer", "gradient_checkpointing",
                                                 "batch_size", "seq_len", "peak_allocated_bytes"])
+    if records is None and Path(CONFIGS).is_file():
+        from pipeline.configs import read_config_records
+
+        records = read_config_records(CONFIGS)
+    formula, _ = fit_formula(models, activations, peaks, records or {}, seed=seed)
     versions = software()
     coefficients = {
         "schema_version": SCHEMA_VERSION,
@@ -425,6 +439,7 @@ def fit_coefficients(models, activations, peaks=None, seed: int = SEED,
         "fits": fits,
         "estimator": {**estimator_structure(), **constants},
         "blog": blog_evaluation(rows),
+        "activation_formula": formula,
         "data": {
             "sha256": hashlib.sha256(json.dumps(data_hashes, sort_keys=True).encode()).hexdigest(),
             "sha256_of_rows": data_hashes,
@@ -459,15 +474,24 @@ def _plain(value):
 
 
 def run_fit(models_path, activations_path, out_path, peaks_path=None, seed: int = SEED,
-            resamples: int = BOOTSTRAP_RESAMPLES) -> dict:
+            resamples: int = BOOTSTRAP_RESAMPLES, configs_path=CONFIGS, comparison_path=None) -> dict:
+    from pipeline.configs import read_config_records
+    from pipeline.formula_fit import comparison_markdown
+    from pipeline.io import write_text
+
+    records = read_config_records(configs_path)
     models = read_table(models_path, "models")
     activations = read_table(activations_path, "activations")
     peaks = read_table(peaks_path, "peak-memory") if peaks_path else None
     inputs = {"models": models_path, "activations": activations_path}
     if peaks_path:
         inputs["peaks"] = peaks_path
-    coefficients = fit_coefficients(models, activations, peaks, seed, resamples, inputs)
+    inputs["configs"] = configs_path
+    coefficients = fit_coefficients(models, activations, peaks, seed, resamples, inputs, records)
     write_coefficients(coefficients, out_path)
+    comparison_path = comparison_path or Path(out_path).with_name("formula_comparison.md")
+    write_text(FORMULA_TABLE_HEADER + comparison_markdown(coefficients["activation_formula"]["comparison"]),
+               comparison_path)
     return coefficients
 
 
@@ -476,14 +500,18 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--models", default=MODELS)
     parser.add_argument("--activations", default=ACTIVATIONS)
     parser.add_argument("--peaks", default=None, help="peak_memory.parquet, for the estimator's empirical constants")
+    parser.add_argument("--configs", default=CONFIGS, help="configs.json (the formula's config facts)")
     parser.add_argument("--out", default=COEFFICIENTS)
+    parser.add_argument("--comparison", default=None,
+                        help="markdown table formula vs baselines (default: formula_comparison.md beside --out)")
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--resamples", type=int, default=BOOTSTRAP_RESAMPLES)
     parser.set_defaults(handler=_fit_command)
 
 
 def _fit_command(args) -> int:
-    result = run_fit(args.models, args.activations, args.out, args.peaks, args.seed, args.resamples)
+    result = run_fit(args.models, args.activations, args.out, args.peaks, args.seed, args.resamples, args.configs,
+                     args.comparison)
     print(summary_line(result) + f" -> {args.out}")
     return 0
 

@@ -57,6 +57,8 @@ PEAK_FORMULAS = {
     "blog": "parameters + optimizer_state + max(gradients + optimizer_intermediates, activations)",
     "heuristic": "parameters + optimizer_state + gradients + max(optimizer_intermediates, activations)",
     "exact": "simulated peak; components are the live bytes by role at that moment",
+    "formula": "parameters + gradients + optimizer_state + max(optimizer_intermediates, activations); activations = "
+               "B x L x sum_k c_k x_k(L) + c_weights x N (closed-form features of the config)",
 }
 
 
@@ -116,6 +118,7 @@ def heuristic_peak(c: dict) -> float:
 OUTSIDE_MAX = {
     "blog": ("parameters", "optimizer_state"),
     "heuristic": ("parameters", "optimizer_state", "gradients"),
+    "formula": ("parameters", "optimizer_state", "gradients"),
 }
 
 

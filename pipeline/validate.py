@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.estimate import BlogEstimator, ExactEstimator, HeuristicEstimator, Run, Target
+from pipeline.estimate import BlogEstimator, ExactEstimator, FormulaEstimator, HeuristicEstimator, Run, Target
 from pipeline.paths import COEFFICIENTS, CONFIGS, PEAKS, VALIDATION
 
-ESTIMATORS = ("blog", "heuristic", "heuristic-lofo", "exact")
+ESTIMATORS = ("blog", "heuristic", "heuristic-lofo", "formula", "formula-lofo", "exact")
 KEY_COLUMNS = ["model_id", "model_type", "family", "parameters", "precision", "optimizer", "gradient_checkpointing",
                "attn_implementation", "variant", "batch_size", "seq_len", "status", "device"]
 
@@ -68,6 +68,35 @@ def refit_without_family(coefficients: dict, peaks, family: str) -> dict | None:
         active = {r["model_id"]: r.get("active_parameters") or r["parameters"] for r in coefficients["data"]["rows"]}
         refit["estimator"].update(peak_constants(others, refit["a"], refit["b"], active))
     return refit
+
+
+def formula_without_family(coefficients: dict, peaks, records: dict, family: str) -> dict:
+    """The coefficient dict with the formula's peak fits refit without one family (no intervals)."""
+    import copy
+
+    from pipeline.formula_fit import fit_peak, model_features, peak_table
+
+    facts = model_features(records)
+    refit = copy.deepcopy(coefficients)
+    refit["activation_formula"]["peak"] = fit_peak(peak_table(peaks[peaks["family"] != family], facts), facts,
+                                                   resamples=0)
+    return refit
+
+
+@dataclass
+class FormulaOnRows:
+    """The formula estimator answering for rows of the peak table, from the configs' facts."""
+
+    estimator: object
+    records: dict
+
+    def peak(self, row) -> float:
+        record = self.records.get(row.model_id) or {}
+        if record.get("status") != "ok":
+            raise UserError(f"{row.model_id}: no ok config in the configs file")
+        target = Target(int(row.parameters), row.model_id, record["config"])
+        run = Run(int(row.batch_size), int(row.seq_len), row.precision, row.optimizer, bool(row.gradient_checkpointing))
+        return self.estimator.predict(target, run).peak_bytes
 
 
 class ExactCache:
@@ -166,12 +195,21 @@ def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False, 
     shared = {"blog": OnRows(BlogEstimator(), active), "heuristic": OnRows(HeuristicEstimator(coefficients), active)}
     if simulated is not None or exact:
         shared["exact"] = SimulatedTable(simulated) if simulated is not None else ExactCache(configs_path)
+    records = {}
+    if configs_path and Path(configs_path).is_file() and "activation_formula" in coefficients:
+        from pipeline.configs import read_config_records
+
+        records = read_config_records(configs_path)
+        shared["formula"] = FormulaOnRows(FormulaEstimator(coefficients), records)
     by_family = {}  # the estimators of a family's rows: the shared ones and its leave-one-family-out refit
     for family in rows["family"].unique():
         refit = refit_without_family(coefficients, peaks, family)
         by_family[family] = {**shared, "heuristic-lofo": None if refit is None else OnRows(HeuristicEstimator(refit),
                                                                                            active)}
-    estimators = [e for e in ESTIMATORS if e in shared or e == "heuristic-lofo"]
+        if records:
+            by_family[family]["formula-lofo"] = FormulaOnRows(
+                FormulaEstimator(formula_without_family(coefficients, peaks, records, family)), records)
+    estimators = [e for e in ESTIMATORS if e in shared or e == "heuristic-lofo" or (e == "formula-lofo" and records)]
     records = []
     for row in rows.itertuples(index=False):
         for estimator in estimators:
@@ -264,7 +302,9 @@ def summary_markdown(summary: dict) -> str:
                       f"({lofo.get('worst_model_id', '—')}). The blog's coefficients (converted to elements) on the same "
                       f"counts: MAPE {_pct(blog['mape'])}, worst {_pct(blog['max_abs_percentage_error'])} "
                       f"({blog['worst_model_id']})."]
-    lines += ["", "`heuristic-lofo`: refit without the validated model's family; `heuristic`: in-sample."]
+    lines += ["", "`heuristic-lofo`: refit without the validated model's family; `heuristic`: in-sample. "
+                  "`formula`: the closed-form formula of config facts (coefficients.json 'activation_formula'), "
+                  "in-sample; `formula-lofo`: its peak fits refit without the validated model's family."]
     return "\n".join(lines) + "\n"
 
 

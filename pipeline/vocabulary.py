@@ -25,7 +25,7 @@ CLIENTS = ("loop",)  # loop: the standard training step (docs/definitions.md)
 VARIANTS = ("standard", "blog")  # blog: the blog's own loop, loss = mean(logits)
 ATTENTIONS = ("default", "eager")  # as requested; default: the library's choice (sdpa)
 STATUSES = ("ok", "oom", "skipped", "error")
-METHODS = ("blog", "heuristic", "exact")  # estimators
+METHODS = ("blog", "heuristic", "exact", "formula")  # estimators
 
 # A measured point of the peak table is one row per these columns.
 POINT_KEY = ("model_id", "precision", "variant", "optimizer", "gradient_checkpointing", "attn_implementation",

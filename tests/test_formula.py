@@ -1,0 +1,72 @@
+"""The closed-form formula: features and N from config facts, the fit's numbers, estimate without torch."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from pipeline.coefficients import check_coefficients, load_coefficients
+from pipeline.configs import read_config_records
+from pipeline.errors import UserError
+from pipeline.estimate import estimate
+from pipeline.features import feature_values, parameter_count, read_facts
+
+RECORDS = read_config_records("results/configs.json")
+MODELS = pd.read_parquet("results/models.parquet").set_index("model_id")
+COEFFICIENTS = load_coefficients("results/coefficients.json")
+
+
+def test_closed_form_parameters_match_the_counted_ones():
+    errors = {m: parameter_count(read_facts(r["config"]))[0] / MODELS.loc[m, "parameters"] - 1
+              for m, r in RECORDS.items() if r["status"] == "ok"}
+    within = [m for m, e in errors.items() if abs(e) <= 1e-3]
+    assert len(errors) == 187 and len(within) >= 186  # jetmoe (mixture of attention heads) is the exception
+    assert errors["Qwen/Qwen2.5-1.5B"] == 0 and errors["meta-llama/Llama-3.1-8B"] == 0
+
+
+def test_features_of_a_known_model():
+    values = feature_values(read_facts(RECORDS["Qwen/Qwen2.5-1.5B"]["config"]), seq_len=512)
+    assert values["hidden"] == 28 * 1536 and values["vocabulary"] == 151936
+    assert values["attention"] == 28 * (12 + 2 * 2) * 128 and values["mlp_gated"] == 28 * 8960
+    assert values["scores"] == 28 * 12 * 512
+
+
+def test_unusual_config_says_what_it_could_not_read():
+    facts = read_facts({"model_type": "mystery", "hidden_size": 512, "num_hidden_layers": 4, "vocab_size": 1000})
+    assert any("heads" in u for u in facts.unread) and any("intermediate" in u for u in facts.unread)
+
+
+def test_fit_numbers_from_the_committed_tables():
+    section = COEFFICIENTS["activation_formula"]
+    hook = section["hook_elements"]["metrics"]
+    assert hook["in_sample"]["r2"] > 0.98 and hook["leave_one_family_out"]["r2"] > 0.95
+    line = [r for r in section["comparison"] if r["formula"] == "A = a*N + b" and r["sample"] == "in sample"][0]
+    assert line["r2"] < 0.3  # the blog's question: N alone does not explain the count
+    assert section["parameters_closed_form"]["within_0.1%"] >= 186
+
+
+def test_old_coefficient_file_gets_one_line_naming_the_version():
+    with pytest.raises(UserError, match="schema_version 1 is not supported"):
+        check_coefficients({**COEFFICIENTS, "schema_version": 1})
+
+
+def test_every_registry_config_gets_a_finite_positive_answer(tmp_path):
+    for model_id, record in RECORDS.items():
+        answer = estimate(config=record["config"], batch=2, seq=512, precision="bf16", method="formula",
+                          coefficients=COEFFICIENTS)
+        assert math.isfinite(answer["peak_bytes"]) and answer["peak_bytes"] > 0, model_id
+
+
+def test_formula_needs_neither_torch_nor_transformers(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(RECORDS["meta-llama/Llama-3.2-1B"]["config"]))
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+            "from pipeline.estimate import estimate, max_batch_size\n"
+            f"r = estimate(config={str(path)!r}, batch=4, seq=1024, precision='amp-bf16', method='formula')\n"
+            f"b = max_batch_size(config={str(path)!r}, seq=1024, precision='bf16', gpu_memory_gib=80, method='formula')\n"
+            "print(r['peak_bytes'], r['unread_terms'], b)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert float(out[0]) > 0 and out[1] == "[]" and int(out[-1]) > 0
