@@ -399,3 +399,24 @@ def feature_values(facts: Facts, seq_len: int = 1, kernel: str = "eager") -> dic
 def korthikanti_bytes_per_token(facts: Facts, seq_len: int) -> float:
     """Korthikanti et al. (2022), per layer 34*s*b*h + 5*a*s^2*b bytes (16-bit), per token, all layers."""
     return facts.layers * (34 * facts.hidden + 5 * facts.heads * seq_len)
+
+
+def feature_rows(records: dict) -> list:
+    """One dict per ok configs.json record: N in closed form and the features (per token; `scores` and
+    `mask` at L = 1, multiply by L), with the attention kernel per precision: what a refit needs."""
+    rows = []
+    for model_id, record in sorted(records.items()):
+        if record.get("status") != "ok":
+            continue
+        facts = read_facts(record["config"])
+        total, active = parameter_count(facts)
+        row = {"model_id": model_id, "family": record.get("family"), "model_type": facts.model_type,
+               "parameters_closed_form": total, "active_parameters_closed_form": active,
+               "matmul_parameters": matmul_parameters(facts),
+               "kernel_fp32": attention_kernel(facts, "fp32"), "kernel_bf16": attention_kernel(facts, "bf16"),
+               "unread_terms": "; ".join(facts.unread)}
+        row.update({f"feature_{k}": v for k, v in feature_values(facts, 1, "eager").items()})
+        row["feature_mask"] = feature_values(facts, 1, "fused")["mask"]  # a mask only where the kernel is fused
+        rows.append(row)
+    return rows
+
