@@ -49,6 +49,21 @@ DEFAULT_LAYOUT = (0, 0, 0, 0, 2, 0)  # llama-like: no biases, RMSNorm weight onl
 # Implementations that run every routed expert on every token (the router only weights the outputs).
 EVERY_EXPERT = {"llama4_text"}
 RECURRENT = {"mamba", "mamba2", "recurrent_gemma", "rwkv"}
+# Architectures that run eager attention whatever is asked (no SDPA path in the transformers measured).
+EAGER_ONLY = {"bloom", "codegen", "gpt_neo", "xglm"}
+# Dropout probabilities (hidden states, attention probabilities) the model type's config defaults to, where
+# not zero; the config's own fields (DROPOUT_FIELDS) win. Training mode keeps a mask per dropout.
+DROPOUT_DEFAULTS = {"gpt2": (0.1, 0.1), "gpt_bigcode": (0.1, 0.1), "opt": (0.1, 0.0), "xglm": (0.1, 0.1)}
+DROPOUT_FIELDS = (("resid_pdrop", "hidden_dropout", "resid_dropout", "dropout"), ("attn_pdrop", "attention_dropout"))
+# MLP activations written as several elementwise ops in Python (each saves its input): tanh-approximated GELU
+# and QuickGELU; the model type's default activation where the config names none.
+COMPOSITE_ACTIVATIONS = ("gelu_new", "gelu_fast", "quick_gelu")
+DEFAULT_ACTIVATION = {"gpt2": "gelu_new", "gpt_neo": "gelu_new", "codegen": "gelu_new", "gptj": "gelu_new",
+                      "phi": "gelu_new", "gpt_bigcode": "gelu_pytorch_tanh"}
+# Bytes the peak holds beside weights, gradients, state and activations: cuBLAS workspaces (2 x 32 MiB + 1 MiB).
+WORKSPACE_BYTES = 65 << 20
+# Bytes per logit of the loss's backward at its start: the fp32 gradient of log_softmax and of its input.
+LOSS_BACKWARD_BYTES = 8
 
 FEATURES = {
     "embedding": "hidden_size (the embedding output of one token)",
@@ -62,8 +77,26 @@ FEATURES = {
     "router": "MoE layers x num_experts (router logits)",
     "recurrent": "recurrent layers x expand x hidden_size (state-space / recurrent inner width)",
     "vocabulary": "vocab_size (logits of one token)",
-    "scores": "attention layers x num_attention_heads x min(L, sliding_window) (attention scores per token, "
-              "for kernels that materialise them: eager, SDPA math)",
+    "scores": "attention layers x num_attention_heads x L (attention scores per token; a sliding window masks them, "
+              "the kernels still compute L x L), "
+              "only where the kernel materialises them (`attention_kernel`: eager, or SDPA's math fallback)",
+    "mlp_composite": "dense layers x MLP width where the activation is composed of elementwise ops "
+                     "(activation_function / hidden_act in gelu_new, gelu_fast, quick_gelu)",
+    "dropout": "(2 x num_hidden_layers + 1) x hidden_size where hidden-state dropout is on in training "
+               "(resid_pdrop / dropout > 0, the model type's default included): the masks of the attention output, "
+               "the MLP output and the embeddings",
+    "scores_dropout": "the scores term again where attention-probability dropout is on (attn_pdrop / "
+                      "attention_dropout > 0) and the scores are materialised (its mask and output)",
+    "mask": "attention layers x L where a sliding window makes SDPA take an explicit mask (one mask row per "
+            "token and layer, converted to the activation dtype)",
+}
+PER_LAYER = ("attention", "attention_output", "mlp", "mlp_gated", "mlp_composite", "experts", "router", "recurrent", "scores",
+             "scores_dropout", "mask")
+KERNELS = {
+    "eager": "eager attention: the architecture has no SDPA path (EAGER_ONLY) or eager was asked for",
+    "math": "SDPA's math fallback: fp32 with grouped key/value heads and no mask (flash needs 16-bit; the "
+            "memory-efficient kernel takes no GQA), or a head_dim the fused kernels cannot align",
+    "fused": "flash or memory-efficient SDPA: scores never materialised",
 }
 
 
@@ -98,6 +131,8 @@ class Facts:
     time_step_rank: int = 0
     conv_kernel: int = 4
     embed_width: int = 0  # OPT's word_embed_proj_dim (projected in and out), else hidden
+    dropout: tuple = (0.0, 0.0)  # (hidden states, attention probabilities) in training
+    composite: bool = False  # the MLP activation is composed of elementwise ops
     unread: list = field(default_factory=list)
 
     @property
@@ -150,12 +185,22 @@ def read_facts(config: dict) -> Facts:
     _read_moe(facts, config)
     _read_window(facts, config)
     facts.embed_width = int(config.get("word_embed_proj_dim") or hidden)
+    facts.dropout = _dropout(config, model_type)
     if model_type == "llama4_text" and config.get("intermediate_size_mlp"):
         facts.intermediate = int(config["intermediate_size_mlp"])  # dense layers; experts keep intermediate_size
     offset = LEARNED_POSITIONS.get(model_type)
     if offset is not None:
         facts.positions = _int(config, "positions", 1024) + offset
     return facts
+
+
+def _dropout(config: dict, model_type: str) -> tuple:
+    defaults = DROPOUT_DEFAULTS.get(model_type, (0.0, 0.0))
+    values = []
+    for names, default in zip(DROPOUT_FIELDS, defaults):
+        value = next((config[n] for n in names if isinstance(config.get(n), (int, float))), default)
+        values.append(float(value))
+    return tuple(values)
 
 
 def _read_recurrent(facts: Facts, config: dict) -> None:
@@ -191,6 +236,7 @@ def _read_attention(facts: Facts, config: dict) -> None:
 def _read_mlp(facts: Facts, config: dict) -> None:
     act = str(config.get("hidden_act") or config.get("activation_function") or config.get("hidden_activation") or "")
     facts.gated = facts.model_type not in NOT_GATED
+    facts.composite = (act or DEFAULT_ACTIVATION.get(facts.model_type, "")) in COMPOSITE_ACTIVATIONS
     if facts.model_type not in NOT_GATED | KNOWN_GATED and act:
         facts.gated = any(g in act for g in GATED_ACTIVATIONS)  # an unknown architecture: by its activation
     width = _int(config, "intermediate", None)
@@ -297,13 +343,39 @@ def _recurrent_parameters(facts: Facts) -> int:
             + rank * inner + inner + inner * state + inner + inner * h)
 
 
-def feature_values(facts: Facts, seq_len: int = 1) -> dict:
-    """The formula's features per token (elements), `FEATURES` order; `seq_len` enters `scores` only."""
+def attention_kernel(facts: Facts, precision: str = "bf16", attention: str | None = None) -> str:
+    """The kernel CUDA runs the attention with (`KERNELS`), in config terms (pipeline.simulate.sdpa's rule)."""
+    if not facts.attention_layers:
+        return "fused"
+    if attention == "eager" or facts.model_type in EAGER_ONLY:
+        return "eager"
+    grouped = facts.kv_heads < facts.heads and not facts.mla
+    if precision == "fp32" and grouped and facts.window is None:
+        return "math"  # GQA reaches SDPA unrepeated only without a mask; fp32 has no flash, efficient no GQA
+    if facts.head_dim % (4 if precision == "fp32" else 8):
+        return "math"
+    return "fused"
+
+
+def matmul_parameters(facts: Facts) -> int:
+    """Weights of the forward's matrix products (attention, MLP, routed and shared experts, recurrent blocks,
+    the lm head): what autocast casts to a bf16 copy that autograd keeps for the backward."""
+    total, _ = parameter_count(facts)
+    width = facts.embed_width or facts.hidden
+    embedding = facts.vocab * width + facts.positions * facts.hidden
+    norm = facts.hidden * (2 if LAYOUT.get(facts.model_type, DEFAULT_LAYOUT)[3] else 1)
+    norms = norm * (1 + facts.layers * LAYOUT.get(facts.model_type, DEFAULT_LAYOUT)[4])
+    return int(total - embedding - norms + (facts.vocab * width if facts.tied else 0))
+
+
+def feature_values(facts: Facts, seq_len: int = 1, kernel: str = "eager") -> dict:
+    """The formula's features per token (elements), `FEATURES` order; `seq_len` enters `scores` and `mask`,
+    which count only where the attention `kernel` materialises them (default: as the hook count sees it)."""
     attention = facts.attention_layers
     dense_width = facts.intermediate
     dense = facts.dense_layers * dense_width + facts.moe_layers * facts.shared_intermediate
-    window = min(seq_len, facts.window) if facts.window else seq_len
-    scores = facts.heads * (facts.window_layers * window + (attention - facts.window_layers) * seq_len)
+    scores = facts.heads * attention * seq_len  # eager and SDPA's math compute the full L x L, window or not
+    materialised = kernel in ("eager", "math")
     return {
         "embedding": facts.hidden,
         "hidden": facts.layers * facts.hidden,
@@ -316,10 +388,35 @@ def feature_values(facts: Facts, seq_len: int = 1) -> dict:
         "router": facts.moe_layers * facts.experts,
         "recurrent": facts.recurrent_layers * facts.recurrent_width,
         "vocabulary": facts.vocab,
-        "scores": scores,
+        "mlp_composite": dense if facts.composite else 0,
+        "dropout": (2 * facts.layers + 1) * facts.hidden if facts.dropout[0] > 0 else 0,
+        "scores_dropout": scores if materialised and facts.dropout[1] > 0 else 0,
+        "scores": scores if materialised else 0,
+        "mask": attention * seq_len if facts.window and kernel == "fused" else 0,
     }
 
 
 def korthikanti_bytes_per_token(facts: Facts, seq_len: int) -> float:
     """Korthikanti et al. (2022), per layer 34*s*b*h + 5*a*s^2*b bytes (16-bit), per token, all layers."""
     return facts.layers * (34 * facts.hidden + 5 * facts.heads * seq_len)
+
+
+def feature_rows(records: dict) -> list:
+    """One dict per ok configs.json record: N in closed form and the features (per token; `scores` and
+    `mask` at L = 1, multiply by L), with the attention kernel per precision: what a refit needs."""
+    rows = []
+    for model_id, record in sorted(records.items()):
+        if record.get("status") != "ok":
+            continue
+        facts = read_facts(record["config"])
+        total, active = parameter_count(facts)
+        row = {"model_id": model_id, "family": record.get("family"), "model_type": facts.model_type,
+               "parameters_closed_form": total, "active_parameters_closed_form": active,
+               "matmul_parameters": matmul_parameters(facts),
+               "kernel_fp32": attention_kernel(facts, "fp32"), "kernel_bf16": attention_kernel(facts, "bf16"),
+               "unread_terms": "; ".join(facts.unread)}
+        row.update({f"feature_{k}": v for k, v in feature_values(facts, 1, "eager").items()})
+        row["feature_mask"] = feature_values(facts, 1, "fused")["mask"]  # a mask only where the kernel is fused
+        rows.append(row)
+    return rows
+

@@ -6,9 +6,8 @@ LinearRegression(positive=True)), least squares of the relative error (weights 1
 - `hook_elements`: hook-method elements per token at (B, L) = (1, 1) = sum_k c_k x_k;
 - `saved_bytes[precision]`: saved-for-backward bytes per token at every measured (B, L) =
   sum_k c_k x_k(L) + c_N x N / (B L) (the last term: weight copies autocast keeps, once per step);
-- `peak[precision(+checkpointing)]`: the activation part of the measured peak,
-  peak - weights - gradients - optimizer state = B L sum_k c_k x_k(L) + c_N N, on points where it
-  exceeds the optimizer's temporaries (there the activation branch of the max() is what was measured).
+- `peak[precision(+checkpointing)]`: the saved bytes of the standard step's peak, a max of two
+  closed-form branches (`pipeline.formula_peak` says which terms are exact and which are fitted).
 
 Each fit reports in-sample and leave-one-family-out R^2, MAPE, worst, and bootstrap intervals.
 `comparison` puts the formula beside A = a N + b, the blog's line and Korthikanti et al.
@@ -17,16 +16,14 @@ Each fit reports in-sample and leave-one-family-out R^2, MAPE, worst, and bootst
 from __future__ import annotations
 
 from pipeline.features import FEATURES, feature_values, korthikanti_bytes_per_token, parameter_count, read_facts
-from pipeline.formulas import BLOG_A_BYTES_PER_ELEMENT, INTERMEDIATE_BUFFERS, STATE_BUFFERS, blog_a_bytes
-from pipeline.vocabulary import ACTIVATION_BYTES, PRECISION_OF_DTYPE, WEIGHT_BYTES
+from pipeline.formula_peak import PEAK_FORMULA, fit_peak, peak_table
+from pipeline.formula_regression import RESAMPLES, SEED, _metrics, _public, fit_terms
+from pipeline.formulas import BLOG_A_BYTES_PER_ELEMENT, blog_a_bytes
+from pipeline.vocabulary import ACTIVATION_BYTES, PRECISION_OF_DTYPE
 
 TERMS = list(FEATURES)
-HOOK_TERMS = [t for t in TERMS if t != "scores"]  # one token: no score term
+HOOK_TERMS = [t for t in TERMS if t not in ("scores", "mask")]  # one token: no term in L
 N_TERM = "weights"  # the coefficient of N: bytes per parameter kept beside the activations
-RESAMPLES = 200
-SEED = 0
-PEAK_FORMULA = ("peak = weights + gradients + optimizer_state + max(optimizer_intermediates, activations); "
-                "activations = B x L x sum_k c_k x_k(L) + c_weights x N (bytes)")
 
 
 def model_features(records: dict) -> dict:
@@ -37,62 +34,6 @@ def model_features(records: dict) -> dict:
 def design(facts, seq_len: int, terms) -> list:
     values = feature_values(facts, seq_len)
     return [values[t] for t in terms]
-
-
-def _fit(x, y, weights):
-    from sklearn.linear_model import LinearRegression
-
-    return LinearRegression(positive=True, fit_intercept=False).fit(x, y, sample_weight=weights)
-
-
-def _metrics(y, predicted, ids) -> dict:
-    import numpy as np
-    from sklearn.metrics import r2_score
-
-    relative = np.abs(predicted - y) / np.abs(y)
-    worst = int(np.argmax(relative))
-    return {"n": int(len(y)), "r2": float(r2_score(y, predicted)), "mape": float(relative.mean()),
-            "median_ape": float(np.median(relative)), "max_abs_percentage_error": float(relative[worst]),
-            "worst_model_id": str(ids[worst])}
-
-
-def fit_terms(x, y, families, ids, terms, resamples: int = RESAMPLES, seed: int = SEED, offset=None) -> dict:
-    """Coefficients, bootstrap intervals (resampling models), in-sample and leave-one-family-out metrics.
-
-    `offset`: known bytes added to y for the quantity judged (the peak): weights and metrics are
-    then relative to y + offset.
-    """
-    import numpy as np
-
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    families, ids = np.asarray(families), np.asarray(ids)
-    offset = np.zeros_like(y) if offset is None else np.asarray(offset, float)
-    weights = 1.0 / ((y + offset) ** 2)
-    model = _fit(x, y, weights)
-    lofo = np.empty_like(y)
-    for family in np.unique(families):
-        out = families == family
-        lofo[out] = _fit(x[~out], y[~out], weights[~out]).predict(x[out]) if (~out).any() else np.nan
-    rng, unique_ids, draws = np.random.default_rng(seed), np.unique(ids), []
-    for _ in range(resamples):
-        pick = np.concatenate([np.flatnonzero(ids == i) for i in rng.choice(unique_ids, len(unique_ids))])
-        draws.append(_fit(x[pick], y[pick], weights[pick]).coef_)
-    if not draws:  # no intervals asked for (a cross-validation refit)
-        draws = [model.coef_]
-    low, high = np.percentile(np.array(draws), [2.5, 97.5], axis=0)
-    return {
-        "coefficients": dict(zip(terms, map(float, model.coef_))),
-        "intervals": {t: [float(a), float(b)] for t, a, b in zip(terms, low, high)},
-        "interval_method": f"percentile bootstrap over models, {resamples} resamples, seed {seed}, 95%",
-        "metrics": {"in_sample": _metrics(y + offset, model.predict(x) + offset, ids),
-                    "leave_one_family_out": _metrics(y + offset, lofo + offset, ids)},
-        "n_points": int(len(y)), "n_models": int(len(unique_ids)), "n_families": int(len(np.unique(families))),
-        "predicted_lofo": lofo, "predicted": model.predict(x),
-    }
-
-
-def _public(fit: dict) -> dict:
-    return {k: v for k, v in fit.items() if not k.startswith("predicted")}
 
 
 # ----------------------------------------------------------------------------- the three quantities
@@ -131,64 +72,6 @@ def fit_saved(rows, facts, precision: str, **run) -> dict:
     fit["units"] = {"y": f"bytes saved for backward per token ({precision})", "c": "bytes per feature unit"}
     fit["formula"] = "S(B, L) = " + " + ".join(f"c_{t} x {t}" for t in TERMS) + " + c_weights x N / (B x L)"
     return fit
-
-
-def fixed_bytes(parameters, precision: str, optimizer: str) -> tuple[float, float]:
-    """(weights + gradients + optimizer state, optimizer intermediates) in bytes: exact from N."""
-    weight = WEIGHT_BYTES[precision] * parameters
-    return weight * (2 + STATE_BUFFERS[optimizer]), weight * INTERMEDIATE_BUFFERS[optimizer]
-
-
-def peak_group(precision: str, checkpointing: bool) -> str:
-    return precision + ("+checkpointing" if checkpointing else "")
-
-
-def peak_table(peaks, facts):
-    keep = (peaks["status"] == "ok") & peaks["peak_allocated_bytes"].notna() & peaks["model_id"].isin(facts)
-    if "variant" in peaks.columns:
-        keep &= peaks["variant"].fillna("standard") == "standard"
-    rows = peaks[keep].copy()
-    rows["gradient_checkpointing"] = rows["gradient_checkpointing"].fillna(False).astype(bool)
-    fixed = [fixed_bytes(r.parameters, r.precision, r.optimizer) for r in rows.itertuples()]
-    rows["fixed_bytes"] = [f for f, _ in fixed]
-    rows["intermediate_bytes"] = [i for _, i in fixed]
-    rows["activation_bytes"] = rows["peak_allocated_bytes"] - rows["fixed_bytes"]
-    rows["group"] = [peak_group(p, c) for p, c in zip(rows["precision"], rows["gradient_checkpointing"])]
-    return rows.reset_index(drop=True)
-
-
-def peak_design(facts, batch: int, seq: int, parameters) -> list:
-    return [batch * seq * v for v in design(facts, seq, TERMS)] + [parameters]
-
-
-def fit_peak(rows, facts, **run) -> dict:
-    """Per group: activation bytes of the activation-dominated points against B L x features and N."""
-    fits = {}
-    for group, part in rows.groupby("group"):
-        part = part[part["activation_bytes"] > part["intermediate_bytes"]]
-        if part["model_id"].nunique() < 3:
-            continue
-        x = [peak_design(facts[r.model_id], int(r.batch_size), int(r.seq_len), r.parameters) for r in part.itertuples()]
-        fit = fit_terms(x, part["activation_bytes"], part["family"], part["model_id"], TERMS + [N_TERM],
-                        offset=part["fixed_bytes"], **run)
-        fit["metrics_of"] = "the peak (activation-dominated points), fitted by least squares of its relative error"
-        fit["units"] = {"y": "bytes of the measured peak beyond weights, gradients and optimizer state",
-                        "c": "bytes per feature unit per token (c_weights: bytes per parameter)"}
-        fits[group] = _public(fit)
-    return fits
-
-
-def predict_peak(peak_fits: dict, facts, parameters, batch: int, seq: int, precision: str, optimizer: str,
-                 checkpointing: bool) -> dict:
-    """The formula's peak and its components (bytes); KeyError when the group was not fitted."""
-    coefficients = peak_fits[peak_group(precision, checkpointing)]["coefficients"]
-    x = peak_design(facts, batch, seq, parameters)
-    activations = sum(c * v for c, v in zip(coefficients.values(), x))
-    weight = WEIGHT_BYTES[precision] * parameters
-    components = {"parameters": weight, "gradients": weight, "optimizer_state": STATE_BUFFERS[optimizer] * weight,
-                  "optimizer_intermediates": INTERMEDIATE_BUFFERS[optimizer] * weight, "activations": activations}
-    peak = weight * (2 + STATE_BUFFERS[optimizer]) + max(components["optimizer_intermediates"], activations)
-    return {"peak_bytes": peak, "components": components}
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -259,7 +142,7 @@ def parameter_check(models, facts) -> dict:
 
 def fit_formula(models, activations, peaks, records: dict, resamples: int = RESAMPLES, seed: int = SEED) -> tuple:
     """(the coefficient file's `activation_formula` section, the comparison markdown)."""
-    from pipeline.features import FIELDS
+    from pipeline.features import FIELDS, KERNELS
     from pipeline.vocabulary import PRECISIONS
 
     facts = model_features(records)
@@ -277,6 +160,7 @@ def fit_formula(models, activations, peaks, records: dict, resamples: int = RESA
         "hook_elements": _public(hook),
         "saved_bytes": {p: _public(f) for p, f in saved.items()},
         "peak_formula": PEAK_FORMULA,
+        "attention_kernels": dict(KERNELS),
         "peak": fit_peak(peak_table(peaks, facts), facts, **run) if peaks is not None else {},
         "parameters_closed_form": parameter_check(models, facts),
         "korthikanti": "per layer 34*s*b*h + 5*a*s^2*b bytes (16-bit; Korthikanti et al. 2022)",

@@ -74,7 +74,8 @@ def formula_without_family(coefficients: dict, peaks, records: dict, family: str
     """The coefficient dict with the formula's peak fits refit without one family (no intervals)."""
     import copy
 
-    from pipeline.formula_fit import fit_peak, model_features, peak_table
+    from pipeline.formula_fit import model_features
+    from pipeline.formula_peak import fit_peak, peak_table
 
     facts = model_features(records)
     refit = copy.deepcopy(coefficients)
@@ -95,7 +96,9 @@ class FormulaOnRows:
         if record.get("status") != "ok":
             raise UserError(f"{row.model_id}: no ok config in the configs file")
         target = Target(int(row.parameters), row.model_id, record["config"])
-        run = Run(int(row.batch_size), int(row.seq_len), row.precision, row.optimizer, bool(row.gradient_checkpointing))
+        attention = getattr(row, "attn_implementation", None)
+        run = Run(int(row.batch_size), int(row.seq_len), row.precision, row.optimizer, bool(row.gradient_checkpointing),
+                  attention if attention in ("eager", "sdpa") else None)
         return self.estimator.predict(target, run).peak_bytes
 
 
@@ -175,7 +178,9 @@ class OnRows:
 
     def peak(self, row) -> float:
         target = Target(int(row.parameters), row.model_id, active_parameters=self.active.get(row.model_id))
-        run = Run(int(row.batch_size), int(row.seq_len), row.precision, row.optimizer, bool(row.gradient_checkpointing))
+        attention = getattr(row, "attn_implementation", None)
+        run = Run(int(row.batch_size), int(row.seq_len), row.precision, row.optimizer, bool(row.gradient_checkpointing),
+                  attention if attention in ("eager", "sdpa") else None)
         return self.estimator.predict(target, run).peak_bytes
 
 

@@ -70,3 +70,37 @@ def test_formula_needs_neither_torch_nor_transformers(tmp_path):
             "print(r['peak_bytes'], r['unread_terms'], b)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert float(out[0]) > 0 and out[1] == "[]" and int(out[-1]) > 0
+
+
+def test_kernel_rule_and_amp_copies_from_config_facts():
+    from pipeline.features import attention_kernel, matmul_parameters
+
+    qwen = read_facts(RECORDS["Qwen/Qwen2.5-1.5B"]["config"])  # GQA, no window
+    assert attention_kernel(qwen, "fp32") == "math" and attention_kernel(qwen, "bf16") == "fused"
+    assert attention_kernel(read_facts(RECORDS["bigscience/bloom-560m"]["config"]), "bf16") == "eager"
+    # tied: every weight but the norms is a matmul weight (the head reuses the embedding)
+    assert matmul_parameters(qwen) == parameter_count(qwen)[0] - 1536 * (1 + 2 * 28)
+
+
+def test_peak_is_the_larger_branch_and_meets_the_goal_out_of_sample():
+    from pipeline.formula_peak import predict_peak
+
+    facts = read_facts(RECORDS["Qwen/Qwen2.5-1.5B"]["config"])
+    peaks = COEFFICIENTS["activation_formula"]["peak"]
+    small = predict_peak(peaks, facts, 1543714304, 1, 128, "bf16", "adamw", False)
+    large = predict_peak(peaks, facts, 1543714304, 8, 4096, "bf16", "adamw", False)
+    assert small["peak_phase"] == "optimizer" and large["peak_phase"] == "backward"
+    assert small["peak_bytes"] == 1543714304 * 2 * 5 + (65 << 20)
+    summary = json.load(open("results/validation_summary.json"))
+    text = json.dumps(summary)
+    assert "formula-lofo" in text
+
+
+def test_features_subset_documents_every_column():
+    from pipeline.dataset.columns import undocumented_columns
+    from pipeline.features import feature_rows
+
+    frame = pd.DataFrame(feature_rows(RECORDS))
+    assert len(frame) == 187 and undocumented_columns({"features": frame}) == []
+    row = frame.set_index("model_id").loc["openai-community/gpt2"]
+    assert row["feature_dropout"] == 25 * 768 and row["feature_mlp_composite"] == 12 * 3072

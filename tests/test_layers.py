@@ -13,7 +13,7 @@ LAYERS = {
     "plumbing": ("errors", "io", "paths", "provenance", "vocabulary", "arguments"),
     "inputs": ("registry", "configs", "modeling"),
     "measuring": ("step", "autocast", "activations", "memory", "sweep", "simulate"),
-    "knowledge": ("formulas", "features", "coefficients", "formula_fit", "fit"),
+    "knowledge": ("formulas", "features", "coefficients", "formula_fit", "formula_peak", "formula_regression", "fit"),
     "answers": ("estimate", "validate"),
     "outputs": ("figures", "dataset", "publish"),
     "entry": ("cli", "__main__", "__init__"),

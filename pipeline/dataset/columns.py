@@ -5,6 +5,8 @@ A column without a description here fails the build, so the card cannot fall beh
 
 from __future__ import annotations
 
+from pipeline.features import FEATURES
+
 PROVENANCE = {
     "torch_version": ("", "PyTorch version that produced the row"),
     "transformers_version": ("", "transformers version that built the model (activation counts depend on it)"),
@@ -141,6 +143,19 @@ COLUMNS.update({
     "simulate_reason": ("", "why the simulation is not ok (empty when ok)"),
     "simulate_seconds": ("s", "wall time of the simulation"),
 })
+
+# The features subset (pipeline.features on configs.json): the closed-form formula's inputs, per model.
+COLUMNS.update({
+    "parameters_closed_form": ("parameters", "N from config facts in closed form (tied weights once)"),
+    "active_parameters_closed_form": ("parameters", "parameters active per token in closed form (MoE: routed experts)"),
+    "matmul_parameters": ("parameters", "weights of the forward's matrix products (autocast's bf16 copies: 2 bytes each)"),
+    "kernel_fp32": ("", "attention kernel on CUDA in fp32: eager, math (materialises scores) or fused"),
+    "kernel_bf16": ("", "attention kernel on CUDA in bf16 and amp-bf16: eager, math or fused"),
+    "unread_terms": ("", "config facts the reader could not find (taken as zero or a default)"),
+})
+COLUMNS.update({f"feature_{_term}": ("elements per token" + (" per unit of L" if _term in ("scores", "scores_dropout",
+                                                                                          "mask") else ""), _doc)
+                for _term, _doc in FEATURES.items()})
 
 # Same column name, different meaning in one subset: (subset, column) -> (unit, meaning).
 SUBSET_COLUMNS: dict[tuple[str, str], tuple[str, str]] = {

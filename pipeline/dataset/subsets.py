@@ -18,6 +18,7 @@ SUBSETS = {
                    "one row per measured point x estimator: predicted against measured peak"),
     "coefficients": ("coefficients.json", "the refit heuristic, flattened: one row per coefficient set"),
     "simulated": ("simulated.parquet", "one row per model x point: peak predicted by the exact simulator"),
+    "features": ("configs.json", "one row per model: the closed-form formula's config features and N"),
 }
 
 
@@ -33,6 +34,11 @@ def load_tables(results_dir) -> dict:
             continue
         if subset == "coefficients":
             tables[subset] = coefficients_table(json.loads(path.read_text()))
+        elif subset == "features":
+            from pipeline.configs import read_config_records
+            from pipeline.features import feature_rows
+
+            tables[subset] = pd.DataFrame(feature_rows(read_config_records(path)))
         else:
             tables[subset] = pd.read_parquet(path)
     if "models" not in tables:

@@ -1,0 +1,146 @@
+"""The peak of the standard training step in closed form: a max of two branches, one fitted sum.
+
+What the exact simulator (`pipeline.simulate`) shows the peak to be, in config facts (bytes; W the
+weight bytes of the precision, S the optimizer state, T = B x L tokens, V the vocabulary):
+
+- optimizer branch: W + gradients (W) + S + the foreach step's temporaries (W for AdamW, none for
+  SGD) + the cuBLAS workspaces (65 MiB). Exact.
+- backward branch, at the start of the backward (the loss's gradient): W + S + workspaces +
+  everything saved for backward + 8 x T x V (the fp32 gradients of log_softmax and of its input).
+  Of that, the saved bytes are the one fitted part: T x sum_k c_k x_k(L) over the config's features
+  (`pipeline.features`), plus, under amp-bf16, the bf16 copies of the matmul weights autocast keeps,
+  2 bytes x their parameters, known exactly. With gradient checkpointing only the layer inputs stay
+  (the `hidden` term) and one layer is recomputed at a time: the per-layer terms count once, not
+  per layer (and so do the amp copies of one layer's weights).
+
+peak = max(optimizer branch, backward branch). The later backward (gradients growing as
+activations are freed) never exceeds the optimizer branch: gradients + what is left < gradients +
+temporaries + ... (checked on the simulator's phase peaks). The fit uses the measured backward
+peaks whose start dominates (saved part above twice the gradients), where the saved bytes are
+read off exactly; coefficients are non-negative, in bytes per element per token.
+"""
+
+from __future__ import annotations
+
+from pipeline.features import (FEATURES, LOSS_BACKWARD_BYTES, PER_LAYER, WORKSPACE_BYTES, attention_kernel,
+                               feature_values, matmul_parameters)
+from pipeline.formulas import INTERMEDIATE_BUFFERS, STATE_BUFFERS
+from pipeline.vocabulary import WEIGHT_BYTES
+
+TERMS = list(FEATURES)
+AMP_COPY_BYTES = 2  # bytes per matmul weight: the bf16 copy autocast makes and autograd keeps
+START_DOMINATES = 2.0  # fit points: saved part of the backward peak above this many gradients
+PEAK_FORMULA = ("peak = max(W + G + S + I + workspaces, W + S + workspaces + 8 x T x V + saved); "
+                "saved = T x sum_k c_k x_k(L) [+ 2 x matmul parameters under amp-bf16]; W, G, S, I: weights, "
+                "gradients, optimizer state and the optimizer step's temporaries (bytes, from N); T = B x L; "
+                "V = vocab_size; workspaces = 65 MiB")
+
+
+def peak_group(precision: str, checkpointing: bool) -> str:
+    return precision + ("+checkpointing" if checkpointing else "")
+
+
+def fixed_bytes(parameters, precision: str, optimizer: str) -> tuple[float, float]:
+    """(weights + gradients + optimizer state, optimizer intermediates) in bytes: exact from N."""
+    weight = WEIGHT_BYTES[precision] * parameters
+    return weight * (2 + STATE_BUFFERS[optimizer]), weight * INTERMEDIATE_BUFFERS[optimizer]
+
+
+def amp_copies(facts, precision: str, checkpointing: bool) -> float:
+    """Bytes of the bf16 weight copies kept for backward (amp-bf16 only; checkpointing: head + one layer)."""
+    if precision != "amp-bf16":
+        return 0.0
+    matmul = matmul_parameters(facts)
+    if checkpointing:
+        head = facts.vocab * (facts.embed_width or facts.hidden)
+        matmul = head + (matmul - head) / max(facts.layers, 1)
+    return float(AMP_COPY_BYTES * matmul)
+
+
+def saved_design(facts, seq_len: int, precision: str, checkpointing: bool, attention=None) -> list:
+    """The features per token at L (checkpointing: per-layer terms of one layer)."""
+    values = feature_values(facts, seq_len, attention_kernel(facts, precision, attention))
+    if checkpointing:
+        values = {k: v / max(facts.layers, 1) if k in PER_LAYER else v for k, v in values.items()}
+    return [values[t] for t in TERMS]
+
+
+def branches(facts, parameters, batch: int, seq: int, precision: str, optimizer: str, checkpointing: bool,
+             saved_per_token: float) -> dict:
+    """The components of both branches (bytes), given the fitted saved bytes per token."""
+    weight = WEIGHT_BYTES[precision] * parameters
+    tokens = batch * seq
+    return {"parameters": weight, "gradients": weight, "optimizer_state": STATE_BUFFERS[optimizer] * weight,
+            "optimizer_intermediates": INTERMEDIATE_BUFFERS[optimizer] * weight, "workspaces": WORKSPACE_BYTES,
+            "activations": tokens * saved_per_token + amp_copies(facts, precision, checkpointing),
+            "loss_backward": LOSS_BACKWARD_BYTES * tokens * facts.vocab}
+
+
+def peak_of(parts: dict) -> tuple[float, str]:
+    fixed = parts["parameters"] + parts["optimizer_state"] + parts["workspaces"]
+    optimizer = fixed + parts["gradients"] + parts["optimizer_intermediates"]
+    backward = fixed + parts["activations"] + parts["loss_backward"]
+    return (backward, "backward") if backward > optimizer else (optimizer, "optimizer")
+
+
+def peak_table(peaks, facts):
+    """ok peaks of the standard step with the exact parts and the saved bytes read off the backward peak."""
+    keep = (peaks["status"] == "ok") & peaks["peak_allocated_bytes"].notna() & peaks["model_id"].isin(facts)
+    if "variant" in peaks.columns:
+        keep &= peaks["variant"].fillna("standard") == "standard"
+    rows = peaks[keep].copy()
+    rows["gradient_checkpointing"] = rows["gradient_checkpointing"].fillna(False).astype(bool)
+    rows["group"] = [peak_group(p, c) for p, c in zip(rows["precision"], rows["gradient_checkpointing"])]
+    if "attn_implementation" not in rows.columns:
+        rows["attn_implementation"] = None
+    known, saved = [], []
+    for r in rows.itertuples():
+        parts = branches(facts[r.model_id], float(r.parameters), int(r.batch_size), int(r.seq_len), r.precision,
+                         r.optimizer, bool(r.gradient_checkpointing), 0.0)
+        base = parts["parameters"] + parts["optimizer_state"] + parts["workspaces"] + parts["loss_backward"]
+        known.append(base + parts["activations"])
+        backward = r.backward_peak_bytes if "backward_peak_bytes" in rows.columns else float("nan")
+        saved.append(float(backward) - base if backward == backward else float("nan"))
+    rows["known_bytes"] = known  # the backward branch without the fitted saved bytes
+    rows["saved_bytes"] = saved  # read off the measured backward peak (amp copies included)
+    rows["weight_bytes"] = [WEIGHT_BYTES[p] * n for p, n in zip(rows["precision"], rows["parameters"])]
+    return rows.reset_index(drop=True)
+
+
+def fit_peak(rows, facts, **run) -> dict:
+    """Per group: the saved bytes per token on points where the start of the backward is the backward peak."""
+    from pipeline.formula_regression import _public, fit_terms
+
+    fits = {}
+    for group, part in rows.groupby("group"):
+        part = part[part["saved_bytes"] > START_DOMINATES * part["weight_bytes"]]
+        if part["model_id"].nunique() < 3:
+            continue
+        x = [[int(r.batch_size) * int(r.seq_len) * v for v in
+              saved_design(facts[r.model_id], int(r.seq_len), r.precision, bool(r.gradient_checkpointing),
+                           _attention(r.attn_implementation))] for r in part.itertuples()]
+        amp = [amp_copies(facts[r.model_id], r.precision, bool(r.gradient_checkpointing)) for r in part.itertuples()]
+        y = part["saved_bytes"].to_numpy(float) - amp
+        offset = part["known_bytes"].to_numpy(float)
+        fit = fit_terms(x, y, part["family"], part["model_id"], TERMS, offset=offset, **run)
+        fit["metrics_of"] = ("the backward peak of the points where its start dominates (saved part above "
+                             f"{START_DOMINATES} x the gradients), fitted by least squares of its relative error")
+        fit["units"] = {"y": "bytes saved for backward (amp copies apart), read off the measured backward peak",
+                        "c": "bytes per feature unit per token"}
+        fits[group] = _public(fit)
+    return fits
+
+
+def _attention(value):
+    return value if value in ("eager", "sdpa") else None
+
+
+def predict_peak(peak_fits: dict, facts, parameters, batch: int, seq: int, precision: str, optimizer: str,
+                 checkpointing: bool, attention=None) -> dict:
+    """The formula's peak, its phase and components (bytes); KeyError when the group was not fitted."""
+    coefficients = peak_fits[peak_group(precision, checkpointing)]["coefficients"]
+    x = saved_design(facts, seq, precision, checkpointing, _attention(attention))
+    saved = sum(coefficients.get(t, 0.0) * v for t, v in zip(TERMS, x))
+    parts = branches(facts, parameters, batch, seq, precision, optimizer, checkpointing, saved)
+    peak, phase = peak_of(parts)
+    return {"peak_bytes": peak, "components": parts, "peak_phase": phase}
