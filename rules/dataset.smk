@@ -6,6 +6,7 @@ rule dataset:
         unpack(simulated_inputs),
         models=MODELS,
         activations=ACTIVATIONS,
+        configs=CONFIGS,  # the features subset
         coefficients=COEFFICIENTS,
         validation=VALIDATION if HAVE_PEAKS else [],
         validation_summary=VALIDATION_SUMMARY if HAVE_PEAKS else [],
