@@ -477,7 +477,8 @@ def largest_batch(estimator: Estimator, target: Target, run: Run, dev: Device, l
     """The largest B that fits `dev` (0: none), for any estimator."""
     guess = None
     if isinstance(estimator, ClosedFormEstimator):  # its allocated budget, for a first guess
-        budget = (dev.total_bytes - outside_bytes(dev, run.precision, run.attn_implementation)) / estimator.ratio["value"]
+        room = dev.total_bytes - outside_bytes(dev, run.precision, run.attn_implementation)
+        budget = room / estimator.ratio["value"]
         guess = estimator.guess_batch(target, run, budget)
     return largest(lambda batch: fits(estimator, target, run.with_batch(batch), dev), limit, guess)
 

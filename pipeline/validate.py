@@ -199,7 +199,8 @@ def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False, 
                 predicted_reserved_bytes=reserved, measured_reserved_bytes=measured_reserved,
                 reserved_relative_error=(reserved - measured_reserved) / measured_reserved,
                 outside_bytes=outside,
-                fits_predicted_reserved=None if math.isnan(reserved) else bool(reserved + outside <= row.gpu_total_bytes))
+                fits_predicted_reserved=None if math.isnan(reserved)
+                else bool(reserved + outside <= row.gpu_total_bytes))
             records.append(record)
     table = pd.DataFrame.from_records(records)
     for name, value in software().items():

@@ -89,7 +89,8 @@ def measured():
     return peaks, read_config_records(CONFIGS)
 
 
-@pytest.mark.parametrize("point", [("EleutherAI/pythia-160m", "fp32", 32, 128), ("EleutherAI/pythia-160m", "bf16", 64, 256),
+@pytest.mark.parametrize("point", [("EleutherAI/pythia-160m", "fp32", 32, 128),
+                                   ("EleutherAI/pythia-160m", "bf16", 64, 256),
                                    ("EleutherAI/pythia-160m", "amp-bf16", 2, 1024)])
 def test_reserved_matches_committed_h200_rows(measured, point):
     """On these rows the replay is exact (0.0%); 1% allows for a segment of another size elsewhere

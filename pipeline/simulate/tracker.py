@@ -12,8 +12,8 @@ that the meta device cannot; `observer(func, args, kwargs, out)` sees every op; 
 `allocator.CachingAllocator`) counts blocks the way the CUDA caching allocator does instead of
 requests rounded to 512 bytes; `reserved_allocator` (another one) replays the same allocations
 plus the kernels' scratch memory (allocated and freed inside the op) for the reserved bytes, apart
-so that the allocated-bytes replay stays as it was tuned; `host_outputs` ({op: fn(args, kwargs) -> output indices}) names
-outputs that CUDA keeps on the host.
+so that the allocated-bytes replay stays as it was tuned; `host_outputs` ({op: fn(args, kwargs) ->
+output indices}) names outputs that CUDA keeps on the host.
 """
 
 from __future__ import annotations
