@@ -586,7 +586,7 @@ def human_summary(result: dict) -> str:
              + (", checkpointing" if result["checkpointing"] else "")]
     for name, value in (result["components"] or {}).items():
         lines.append(f"  {name:<24} {value / GIB:10.2f} GiB")
-    lines.append(f"  {'reserved (allocator segments)':<24} {result['peak_reserved_bytes'] / GIB:10.2f} GiB")
+    lines.append(f"  {'peak reserved':<24} {result['peak_reserved_bytes'] / GIB:10.2f} GiB (the allocator's segments)")
     if "fits" in result:
         lines.append(f"  fits {result['gpu']} ({result['device_total_bytes'] / GIB:.1f} GiB; reserved + "
                      f"{result['outside_bytes'] / GIB:.2f} GiB outside PyTorch): {'yes' if result['fits'] else 'no'}"
