@@ -12,8 +12,13 @@ One estimator object per method (`ESTIMATORS`), each with `predict(target, run) 
   optimizer-aware (SGD: one momentum buffer, no weight-sized temporaries).
 - `ExactEstimator`: the simulator `pipeline.simulate.predict_peak` on the model's config.
 
-`max_batch_size` gives the largest batch that fits a GPU memory size at a sequence length, by
-one search for every estimator (the peak grows with the batch).
+Every estimator also predicts the allocator's reserved bytes (`torch.cuda.max_memory_reserved()`):
+the exact one by replaying the caching allocator's segments, the closed forms as their peak times
+the measured reserved/allocated ratio of the coefficient file. The fit verdict is judged on them:
+reserved + the memory outside PyTorch (`pipeline.devices`) <= the device's nvidia-smi total.
+
+`max_batch_size` and `max_seq_len` give the largest batch (or sequence length) that fits a GPU, by
+one search for every estimator (the peak grows with both).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pipeline.coefficients import resolve_coefficients
+from pipeline.coefficients import reserved_ratio, resolve_coefficients
+from pipeline.devices import DEVICES, Device, custom_device, device, outside_bytes
 from pipeline.errors import UserError
 from pipeline.formulas import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, BLOG_NOTES, BLOG_P, OUTSIDE_MAX,
                                PEAK_FORMULAS, blog_a_bytes, blog_components, blog_peak, heuristic_peak,
@@ -32,6 +38,10 @@ from pipeline.vocabulary import METHODS, OPTIMIZERS, PRECISIONS, check_choice, c
 
 GIB = 2**30
 BATCH_LIMIT = 2**24  # the search for the largest batch stops doubling here
+SEQ_LIMIT = 2**24  # ... and for the longest sequence, when the model has no context length
+# Expandable segments map 20 MiB pages (large pool) and 2 MiB pages (small pool): a closed form's
+# reserved bytes are its peak plus at most one partly used page of each.
+EXPANDABLE_SLACK = (20 + 2) << 20
 
 
 # ----------------------------------------------------------------------------- values
@@ -47,6 +57,7 @@ class Run:
     optimizer: str = "adamw"
     checkpointing: bool = False
     attn_implementation: str | None = None  # exact only; None: the library's default
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
     def __post_init__(self):
         check_positive_int("batch", self.batch)
@@ -54,9 +65,14 @@ class Run:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         object.__setattr__(self, "checkpointing", bool(self.checkpointing))
+        if not isinstance(self.expandable_segments, bool):
+            raise UserError(f"expandable_segments must be true or false, not {self.expandable_segments!r}")
 
     def with_batch(self, batch: int) -> Run:
         return replace(self, batch=batch)
+
+    def with_seq(self, seq: int) -> Run:
+        return replace(self, seq=seq)
 
 
 @dataclass
@@ -84,6 +100,51 @@ class Estimate:
     peak_bytes: float
     components: dict | None
     details: dict = field(default_factory=dict)
+    reserved_bytes: float | None = None  # torch.cuda.max_memory_reserved(), default allocator settings
+    reserved_expandable_bytes: float | None = None  # the same with expandable segments
+
+    def reserved(self, expandable: bool) -> float:
+        return self.reserved_expandable_bytes if expandable else self.reserved_bytes
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a step fits a device: its reserved bytes plus the memory outside PyTorch."""
+
+    device: Device
+    reserved_bytes: float
+    outside_bytes: int
+    expandable_reserved_bytes: float
+
+    @property
+    def fits(self) -> bool:
+        return self.reserved_bytes + self.outside_bytes <= self.device.total_bytes
+
+    @property
+    def headroom_bytes(self) -> float:
+        return self.device.total_bytes - self.reserved_bytes - self.outside_bytes
+
+    @property
+    def expandable_fits(self) -> bool:
+        return self.expandable_reserved_bytes + self.outside_bytes <= self.device.total_bytes
+
+
+def judge(estimated: Estimate, run: Run, dev: Device) -> Verdict:
+    return Verdict(dev, estimated.reserved(run.expandable_segments), outside_bytes(dev, run.precision,
+                   run.attn_implementation), estimated.reserved_expandable_bytes)
+
+
+def resolve_device(gpu=None, gpu_memory_gib=None) -> Device | None:
+    """The device of the fit verdict: a catalogue name or an nvidia-smi total in GiB (not both)."""
+    if gpu is not None and gpu_memory_gib is not None:
+        raise UserError("give one of gpu and gpu_memory_gib, not both")
+    if gpu is not None:
+        if not isinstance(gpu, str):
+            raise UserError(f"gpu must be a name, one of {', '.join(DEVICES)}; not {gpu!r}")
+        return device(gpu)
+    if gpu_memory_gib is not None:
+        return custom_device(gpu_memory_bytes(gpu_memory_gib) / GIB)
+    return None
 
 
 # ----------------------------------------------------------------------------- estimators
@@ -112,7 +173,16 @@ class Estimator:
 
 
 class ClosedFormEstimator(Estimator):
-    """A formula whose activations grow linearly with B, the rest of the peak not at all."""
+    """A formula whose activations grow linearly with B, the rest of the peak not at all; its reserved
+    bytes are the peak times the measured reserved/allocated ratio."""
+
+    ratio = None  # reserved / allocated: reserved_ratio(coefficients)
+
+    def with_reserved(self, estimate: Estimate) -> Estimate:
+        estimate.reserved_bytes = estimate.peak_bytes * self.ratio["value"]
+        estimate.reserved_expandable_bytes = estimate.peak_bytes + EXPANDABLE_SLACK
+        estimate.details["reserved_ratio"] = self.ratio["value"]
+        return estimate
 
     def guess_batch(self, target: Target, run: Run, memory_bytes) -> int | None:
         one = self.predict(target, run.with_batch(1)).components
@@ -129,13 +199,27 @@ class ClosedFormEstimator(Estimator):
 class BlogEstimator(ClosedFormEstimator):
     name = "blog"
 
+    def __init__(self, ratio: dict | None = None):
+        self.ratio = ratio or reserved_ratio(None)
+
+    @classmethod
+    def load(cls, coefficients=None) -> BlogEstimator:
+        """The published formula; only the reserved/allocated ratio comes from the coefficient file
+        (the built-in one when there is none)."""
+        try:
+            return cls(reserved_ratio(resolve_coefficients(coefficients)))
+        except UserError:
+            if coefficients is not None:
+                raise
+            return cls()
+
     def predict(self, target: Target, run: Run) -> Estimate:
         n = target.parameters
         components = blog_components(n, run.batch, run.seq, run.precision, run.optimizer, run.checkpointing)
-        return Estimate(blog_peak(components), components, {
+        return self.with_reserved(Estimate(blog_peak(components), components, {
             "activations_per_token": blog_a_bytes(n),
             "activations_per_token_unit": "fp32 bytes (as published; the formula multiplies by P again)",
-            "bytes_per_parameter": BLOG_P[run.precision], "notes": BLOG_NOTES})
+            "bytes_per_parameter": BLOG_P[run.precision], "notes": list(BLOG_NOTES)}))
 
 
 @dataclass
@@ -143,6 +227,10 @@ class HeuristicEstimator(ClosedFormEstimator):
     coefficients: dict  # a loaded coefficient file
 
     name = "heuristic"
+
+    @property
+    def ratio(self) -> dict:
+        return reserved_ratio(self.coefficients)
 
     @classmethod
     def load(cls, coefficients=None) -> HeuristicEstimator:
@@ -172,12 +260,12 @@ class HeuristicEstimator(ClosedFormEstimator):
                 + (" x checkpointing factor" if run.checkpointing else "")
                 + (" + 2 x N bytes of bf16 weight copies" if run.precision in AMP_WEIGHT_COPY_BYTES else "")
                 + ", A = a*N + b elements per token from the refit (N: parameters active per token).")
-        return Estimate(heuristic_peak(components), components, {
+        return self.with_reserved(Estimate(heuristic_peak(components), components, {
             "activations_per_token": elements, "activations_per_token_unit": "elements",
             "bytes_per_activation_element": ACTIVATION_BYTES[run.precision], "activation_multiplier": multiplier,
             "checkpointing_factor": factor if run.checkpointing else None,
             "coefficients": {"a": c["a"], "b": c["b"], "date": c["date"], "data_sha256": c["data"]["sha256"]},
-            "notes": [note]})
+            "notes": [note]}))
 
 
 class ExactEstimator(Estimator):
@@ -185,10 +273,12 @@ class ExactEstimator(Estimator):
     needs_config = True
 
     def predict(self, target: Target, run: Run) -> Estimate:
-        peak, components = exact_peak(target.config, run.batch, run.seq, run.precision, run.optimizer,
-                                      run.checkpointing, run.attn_implementation)
-        return Estimate(peak, components, {"activations_per_token": None, "activations_per_token_unit": None,
-                                           "notes": ["simulated by pipeline.simulate.predict_peak"]})
+        result = exact_peak(target.config, run.batch, run.seq, run.precision, run.optimizer, run.checkpointing,
+                            run.attn_implementation)
+        return Estimate(float(result["peak_bytes"]), result.get("components"), {
+            "activations_per_token": None, "activations_per_token_unit": None,
+            "notes": ["simulated by pipeline.simulate.predict_peak (reserved: the caching allocator's "
+                      "segments replayed)"]}, result["peak_reserved_bytes"], result["peak_reserved_expandable_bytes"])
 
 
 @dataclass
@@ -199,6 +289,10 @@ class FormulaEstimator(ClosedFormEstimator):
 
     name = "formula"
     needs_config = True
+
+    @property
+    def ratio(self) -> dict:
+        return reserved_ratio(self.coefficients)
 
     @classmethod
     def load(cls, coefficients=None) -> FormulaEstimator:
@@ -218,11 +312,12 @@ class FormulaEstimator(ClosedFormEstimator):
                               run.optimizer, run.checkpointing, run.attn_implementation)
         hook = section["hook_elements"]["coefficients"]
         elements = sum(hook.get(t, 0.0) * v for t, v in zip(HOOK_TERMS, design(facts, 1, HOOK_TERMS)))
-        return Estimate(result["peak_bytes"], result["components"], {
+        return self.with_reserved(Estimate(result["peak_bytes"], result["components"], {
             "activations_per_token": elements, "activations_per_token_unit": "elements (hook method, formula)",
             "unread_terms": list(facts.unread),
-            "notes": ["closed-form formula of coefficients.json 'activation_formula' (fitted per precision on "
-                      "measured H200 peaks; the kernel choice is in the coefficients, not in the config)"]})
+            "notes": ["closed-form formula of coefficients.json 'activation_formula': peak = max(optimizer step, "
+                      "start of the backward), exact terms from config facts, saved-for-backward bytes fitted per "
+                      "term on measured H200 peaks"]}))
 
 
 ESTIMATORS = {"blog": BlogEstimator, "heuristic": HeuristicEstimator, "exact": ExactEstimator,
@@ -272,20 +367,16 @@ def read_config_file(path) -> dict:
     return facts
 
 
-def exact_peak(config, batch, seq, precision, optimizer, checkpointing, attn_implementation=None):
-    """The simulator's prediction: (peak bytes, its components or None)."""
+def exact_peak(config, batch, seq, precision, optimizer, checkpointing, attn_implementation=None) -> dict:
+    """The simulator's prediction (`predict_peak`'s answer)."""
     try:
         from pipeline.simulate import predict_peak
     except ModuleNotFoundError as exc:
         if exc.name != "pipeline.simulate":
             raise
         raise UserError("method 'exact' needs the simulator (pipeline/simulate.py), which is not installed") from None
-    result = predict_peak(config, batch_size=batch, seq_len=seq, precision=precision, optimizer=optimizer,
-                          gradient_checkpointing=checkpointing, attn_implementation=attn_implementation)
-    if isinstance(result, dict):
-        peak = result.get("peak_bytes", result.get("peak_allocated_bytes", result.get("predicted_peak_bytes")))
-        return float(peak), result.get("components")
-    return float(result), None
+    return predict_peak(config, batch_size=batch, seq_len=seq, precision=precision, optimizer=optimizer,
+                        gradient_checkpointing=checkpointing, attn_implementation=attn_implementation)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -388,75 +479,127 @@ def prepare(method, coefficients, model=None, config=None, params=None, active_p
 
 
 def estimate(model=None, config=None, params=None, *, batch, seq, precision, optimizer="adamw",
-             checkpointing=False, method="heuristic", coefficients=None, gpu_memory_gib=None,
-             attn_implementation=None, active_params=None) -> dict:
+             checkpointing=False, method="heuristic", coefficients=None, gpu=None, gpu_memory_gib=None,
+             attn_implementation=None, active_params=None, expandable_segments=False) -> dict:
     """Peak memory of the standard training step at (batch, seq), with its components (bytes).
 
     Give one of `model` (registry or Hub id), `config` (config.json path, its dict, or a
     transformers config) or `params` (N; blog and heuristic only; with `active_params` for a MoE
-    model, else it counts as dense). `coefficients` is a path or
-    a loaded coefficient dict (default: results/coefficients.json; only `heuristic` uses it).
-    With `gpu_memory_gib` the answer says whether it fits ("fits", "headroom_bytes").
+    model, else it counts as dense). `coefficients` is a path or a loaded coefficient dict (default:
+    results/coefficients.json). With `gpu` (a catalogue name, `pipeline.devices.DEVICES`) or
+    `gpu_memory_gib` (nvidia-smi's total in GiB) the answer says whether it fits ("fits",
+    "headroom_bytes"), judged on the reserved bytes plus the memory outside PyTorch;
+    `expandable_segments` replays PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
     """
-    run = Run(batch, seq, precision, optimizer, checkpointing, attn_implementation)
+    run = Run(batch, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments)
     check_choice("method", method, METHODS)
-    memory = gpu_memory_bytes(gpu_memory_gib) if gpu_memory_gib is not None else None
+    dev = resolve_device(gpu, gpu_memory_gib)
     estimator, target = prepare(method, coefficients, model, config, params, active_params)
-    return answer(estimator, target, run, memory)
+    return answer(estimator, target, run, dev)
 
 
-def answer(estimator: Estimator, target: Target, run: Run, memory_bytes=None) -> dict:
-    """The estimate as the JSON answer: what was estimated, the method's details, components and peak."""
+def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = None) -> dict:
+    """The estimate as the JSON answer: what was estimated, the method's details, components, peak,
+    reserved bytes and, for a device, the fit verdict."""
     estimated = estimator.predict(target, run)
     peak = estimated.peak_bytes
     result = {"method": estimator.name, "model_id": target.model_id, "parameters": target.parameters,
               "active_parameters": target.active, "parameters_source": target.source,
               "batch_size": run.batch, "seq_len": run.seq, "precision": run.precision, "optimizer": run.optimizer,
-              "checkpointing": run.checkpointing, **estimated.details,
-              "components": estimated.components, "peak_formula": estimator.peak_formula,
-              "peak_bytes": peak, "peak_gib": peak / GIB}
-    if memory_bytes is not None:
-        result.update(gpu_memory_bytes=memory_bytes, fits=bool(peak <= memory_bytes),
-                      headroom_bytes=memory_bytes - peak)
+              "checkpointing": run.checkpointing, "expandable_segments": run.expandable_segments,
+              **estimated.details, "components": estimated.components, "peak_formula": estimator.peak_formula,
+              "peak_bytes": peak, "peak_gib": peak / GIB,
+              "peak_reserved_bytes": estimated.reserved(run.expandable_segments)}
+    if dev is not None:
+        verdict = judge(estimated, run, dev)
+        result.update(gpu=dev.name, device_total_bytes=dev.total_bytes, gpu_memory_bytes=dev.total_bytes,
+                      outside_bytes=verdict.outside_bytes, fits=bool(verdict.fits),
+                      headroom_bytes=verdict.headroom_bytes)
+        if not run.expandable_segments:
+            result["expandable_segments_would_fit"] = bool(verdict.expandable_fits)
+            if verdict.expandable_fits and not verdict.fits:
+                result.setdefault("notes", []).append(
+                    "does not fit with the allocator's default settings, but fits with "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (no segment fragmentation)")
     return result
 
 
-def max_batch_size(model=None, config=None, params=None, *, seq, precision, gpu_memory_gib, optimizer="adamw",
-                   checkpointing=False, method="heuristic", coefficients=None, attn_implementation=None,
-                   active_params=None) -> int:
-    """The largest batch whose estimated peak fits `gpu_memory_gib` at sequence length `seq` (0: none)."""
-    run = Run(1, seq, precision, optimizer, checkpointing, attn_implementation)
+def max_batch_size(model=None, config=None, params=None, *, seq, precision, gpu=None, gpu_memory_gib=None,
+                   optimizer="adamw", checkpointing=False, method="heuristic", coefficients=None,
+                   attn_implementation=None, active_params=None, expandable_segments=False) -> int:
+    """The largest batch that fits the GPU at sequence length `seq` (0: none), by the fit verdict."""
+    run = Run(1, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments)
     check_choice("method", method, METHODS)
-    memory = gpu_memory_bytes(gpu_memory_gib)
+    dev = required_device(gpu, gpu_memory_gib)
     estimator, target = prepare(method, coefficients, model, config, params, active_params)
-    return largest_batch(estimator, target, run, memory)
+    return largest_batch(estimator, target, run, dev)
 
 
-def largest_batch(estimator: Estimator, target: Target, run: Run, memory_bytes, limit: int = BATCH_LIMIT) -> int:
-    """The largest B whose predicted peak fits `memory_bytes` (0: none), for any estimator.
+def max_seq_len(model=None, config=None, params=None, *, batch, precision, gpu=None, gpu_memory_gib=None,
+                optimizer="adamw", checkpointing=False, method="heuristic", coefficients=None,
+                attn_implementation=None, active_params=None, expandable_segments=False) -> int:
+    """The longest sequence that fits the GPU at batch size `batch` (0: none), by the fit verdict,
+    at most the model's context length when its config gives one."""
+    run = Run(batch, 1, precision, optimizer, checkpointing, attn_implementation, expandable_segments)
+    check_choice("method", method, METHODS)
+    dev = required_device(gpu, gpu_memory_gib)
+    estimator, target = prepare(method, coefficients, model, config, params, active_params)
+    return largest_seq(estimator, target, run, dev)
 
-    The peak grows with B, so: from 1 (or the estimator's checked guess) double the step while
-    the batch fits, then bisect between the last batch that fits and the first that does not.
+
+def required_device(gpu, gpu_memory_gib) -> Device:
+    dev = resolve_device(gpu, gpu_memory_gib)
+    if dev is None:
+        raise UserError("give the GPU: gpu (a name) or gpu_memory_gib")
+    return dev
+
+
+def fits(estimator: Estimator, target: Target, run: Run, dev: Device) -> bool:
+    return judge(estimator.predict(target, run), run, dev).fits
+
+
+def largest_batch(estimator: Estimator, target: Target, run: Run, dev: Device, limit: int = BATCH_LIMIT) -> int:
+    """The largest B that fits `dev` (0: none), for any estimator."""
+    guess = None
+    if isinstance(estimator, ClosedFormEstimator):  # its allocated budget, for a first guess
+        room = dev.total_bytes - outside_bytes(dev, run.precision, run.attn_implementation)
+        budget = room / estimator.ratio["value"]
+        guess = estimator.guess_batch(target, run, budget)
+    return largest(lambda batch: fits(estimator, target, run.with_batch(batch), dev), limit, guess)
+
+
+def largest_seq(estimator: Estimator, target: Target, run: Run, dev: Device) -> int:
+    """The largest L that fits `dev` (0: none), at most the model's context length when known."""
+    from pipeline.modeling import context_length
+
+    limit = (context_length(target.config) if target.config is not None else None) or SEQ_LIMIT
+    return largest(lambda seq: fits(estimator, target, run.with_seq(seq), dev), limit, None, exact_limit=True)
+
+
+def largest(fit, limit: int, guess: int | None = None, exact_limit: bool = False) -> int:
+    """The largest n >= 1 with fit(n) (0: none), for a fit that holds up to some n and not beyond.
+
+    From 1 (or a checked guess) double the step while n fits, then bisect between the last n that
+    fits and the first that does not. `limit` stops the doubling; with `exact_limit` no n beyond it
+    is tried (else a guess beyond it is trusted and checked).
     """
-    def fits(batch: int) -> bool:
-        return estimator.predict(target, run.with_batch(batch)).peak_bytes <= memory_bytes
-
-    if not fits(1):
+    if not fit(1):
         return 0
     low, high = 1, None
-    guess = estimator.guess_batch(target, run, memory_bytes)
-    if guess is not None and guess > 1:
-        low, high = (guess, None) if fits(guess) else (1, guess)
-    ceiling, step = max(limit, 2 * low), 1  # a guess beyond the limit is trusted and checked
+    if guess is not None and guess > 1 and not (exact_limit and guess > limit):
+        low, high = (guess, None) if fit(guess) else (1, guess)
+    ceiling, step = (limit if exact_limit else max(limit, 2 * low)), 1
     while high is None:
-        candidate = low + step
-        if candidate > ceiling or not fits(candidate):
+        candidate = min(low + step, ceiling) if exact_limit else low + step
+        if candidate == low:
+            return low
+        if candidate > ceiling or not fit(candidate):
             high = candidate
         else:
             low, step = candidate, step * 2
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
+        low, high = (middle, high) if fit(middle) else (low, middle)
     return low
 
 
@@ -474,32 +617,50 @@ def add_cli(subparsers) -> None:
     source.add_argument("--params", help="parameter count N (blog and heuristic only)")
     parser.add_argument("--active-params", help="with --params: parameters active per token (MoE; default N)")
     parser.add_argument("--batch", type=positive_int, help="batch size B (optional with --max-batch-size)")
-    parser.add_argument("--seq", type=positive_int, required=True, help="sequence length L")
+    parser.add_argument("--seq", type=positive_int, help="sequence length L (optional with --max-seq-len)")
     parser.add_argument("--precision", choices=PRECISIONS, required=True)
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
     parser.add_argument("--method", choices=METHODS, default="heuristic")
     parser.add_argument("--coefficients", default=None, help=f"coefficient file (default {DEFAULT_COEFFICIENTS})")
-    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB", help="GPU memory in GiB")
-    parser.add_argument("--max-batch-size", action="store_true", help="the largest B that fits --gpu-memory")
+    gpu = parser.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", default=None, metavar="NAME", help=f"the GPU, one of: {', '.join(DEVICES)}")
+    gpu.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                     help="the GPU's memory in GiB as nvidia-smi reports it (an 80 GB H100: 79.6)")
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    search = parser.add_mutually_exclusive_group()
+    search.add_argument("--max-batch-size", action="store_true", help="the largest B that fits the GPU")
+    search.add_argument("--max-seq-len", action="store_true", help="the largest L that fits the GPU")
     parser.add_argument("--attn-implementation", default=None, help="for --method exact")
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
     parser.set_defaults(handler=_estimate_command)
 
 
 def _estimate_command(args) -> int:
-    if args.max_batch_size and args.gpu_memory is None:
-        raise UserError("--max-batch-size needs --gpu-memory GIB")
+    searching = "--max-batch-size" if args.max_batch_size else "--max-seq-len" if args.max_seq_len else None
+    if searching and args.gpu is None and args.gpu_memory is None:
+        raise UserError(f"{searching} needs --gpu NAME or --gpu-memory GIB")
     if args.batch is None and not args.max_batch_size:
         raise UserError("--batch B is required (unless --max-batch-size)")
-    run = Run(args.batch or 1, args.seq, args.precision, args.optimizer, args.checkpointing, args.attn_implementation)
-    memory = gpu_memory_bytes(args.gpu_memory) if args.gpu_memory is not None else None
+    if args.seq is None and not args.max_seq_len:
+        raise UserError("--seq L is required (unless --max-seq-len)")
+    run = Run(args.batch or 1, args.seq or 1, args.precision, args.optimizer, args.checkpointing,
+              args.attn_implementation, args.expandable_segments)
+    dev = resolve_device(args.gpu, args.gpu_memory)
     estimator, target = prepare(args.method, args.coefficients, args.model, args.config, args.params,
                                 args.active_params)
-    largest = largest_batch(estimator, target, run, memory) if args.max_batch_size else None
-    result = answer(estimator, target, run.with_batch(args.batch or max(largest, 1)), memory)
-    if largest is not None:
-        result["max_batch_size"] = largest
+    if args.max_batch_size:
+        largest_found = largest_batch(estimator, target, run, dev)
+        run = run.with_batch(args.batch or max(largest_found, 1))
+    elif args.max_seq_len:
+        largest_found = largest_seq(estimator, target, run, dev)
+        run = run.with_seq(args.seq or max(largest_found, 1))
+    result = answer(estimator, target, run, dev)
+    if args.max_batch_size:
+        result["max_batch_size"] = largest_found
+    elif args.max_seq_len:
+        result["max_seq_len"] = largest_found
     print(json.dumps(result, indent=2) if args.json else human_summary(result))
     return 0
 
@@ -510,8 +671,14 @@ def human_summary(result: dict) -> str:
              + (", checkpointing" if result["checkpointing"] else "")]
     for name, value in (result["components"] or {}).items():
         lines.append(f"  {name:<24} {value / GIB:10.2f} GiB")
+    lines.append(f"  {'peak reserved':<24} {result['peak_reserved_bytes'] / GIB:10.2f} GiB (the allocator's segments)")
     if "fits" in result:
-        lines.append(f"  fits {result['gpu_memory_bytes'] / GIB:g} GiB: {'yes' if result['fits'] else 'no'}")
-    if "max_batch_size" in result:
-        lines.append(f"  max batch size: {result['max_batch_size']}")
+        lines.append(f"  fits {result['gpu']} ({result['device_total_bytes'] / GIB:.1f} GiB; reserved + "
+                     f"{result['outside_bytes'] / GIB:.2f} GiB outside PyTorch): {'yes' if result['fits'] else 'no'}"
+                     f", headroom {result['headroom_bytes'] / GIB:.2f} GiB")
+        if result.get("expandable_segments_would_fit") and not result["fits"]:
+            lines.append("  fits with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    for name in ("max_batch_size", "max_seq_len"):
+        if name in result:
+            lines.append(f"  {name.replace('_', ' ')}: {result[name]}")
     return "\n".join(lines)

@@ -35,7 +35,8 @@ import json
 import math
 from pathlib import Path
 
-from pipeline.coefficients import SCHEMA_VERSION, default_constants, estimator_structure, write_coefficients
+from pipeline.coefficients import (BUILT_IN_RESERVED_RATIO, RESERVED_RATIO_QUANTILE, SCHEMA_VERSION, default_constants,
+                                   estimator_structure, write_coefficients)
 from pipeline.errors import UserError
 from pipeline.formulas import (BLOG_A_BYTES_PER_ELEMENT, BLOG_INTERCEPT, BLOG_SLOPE, blog_a_bytes,
                                training_components, unit_mismatch_example)
@@ -365,7 +366,23 @@ def peak_constants(peaks, a: float, b: float, active: dict | None = None) -> dic
                "state - gradients [- amp weight copies]) / (multiplier x A(N) x B x L x bytes per element)"
                if checkpoint_ratios else "not measured",
     }
-    return {"activation_multiplier": multipliers, "checkpointing_factor": checkpointing}
+    return {"activation_multiplier": multipliers, "checkpointing_factor": checkpointing,
+            "reserved_ratio": reserved_ratio_constant(peaks)}
+
+
+def reserved_ratio_constant(peaks) -> dict:
+    """peak reserved / peak allocated over the ok rows (its median): the closed-form estimators'
+    reserved margin."""
+    if "peak_reserved_bytes" not in peaks.columns:
+        return BUILT_IN_RESERVED_RATIO
+    ok = peaks[(peaks["status"] == "ok") & (peaks["peak_allocated_bytes"] > 0)].dropna(
+        subset=["peak_reserved_bytes", "peak_allocated_bytes"])
+    if ok.empty:
+        return BUILT_IN_RESERVED_RATIO
+    ratios = (ok["peak_reserved_bytes"] / ok["peak_allocated_bytes"]).astype(float)
+    return {"value": max(1.0, round(float(ratios.quantile(RESERVED_RATIO_QUANTILE)), 4)), "n_points": len(ratios),
+            "how": f"{RESERVED_RATIO_QUANTILE:.0%} quantile (median) over the peak table's ok rows of "
+                   "peak_reserved_bytes / peak_allocated_bytes"}
 
 
 # ----------------------------------------------------------------------------- the coefficient file

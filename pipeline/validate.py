@@ -9,8 +9,12 @@ For each `ok` or `oom` row of the standard training step in the peak table and e
   coefficient file's own rows, the empirical constants from the peak table without that family);
 - `exact` (with `--exact`): the simulator, once per configuration.
 
-`ok` rows get predicted vs measured `peak_allocated_bytes`; every row gets fits or not on the
-measured GPU's total memory. `summarize` makes the markdown and JSON summary.
+`ok` rows get predicted vs measured `peak_allocated_bytes` and `peak_reserved_bytes`; every row gets
+fits or not on the measured GPU's total memory, twice: on the predicted allocated peak
+(`fits_predicted`, as before) and by the fit verdict (`fits_predicted_reserved`: predicted reserved +
+the memory outside PyTorch <= the GPU's CUDA total, `gpu_total_bytes`; the driver's reserve is the
+difference between that and nvidia-smi's total, so only the process's own outside memory is added).
+`summarize` makes the markdown and JSON summary.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.coefficients import reserved_ratio
+from pipeline.devices import context_bytes
 from pipeline.errors import UserError
-from pipeline.estimate import BlogEstimator, ExactEstimator, FormulaEstimator, HeuristicEstimator, Run, Target
+from pipeline.estimate import BlogEstimator, Estimate, ExactEstimator, FormulaEstimator, HeuristicEstimator, Run, Target
 from pipeline.paths import COEFFICIENTS, CONFIGS, PEAKS, VALIDATION
 
 ESTIMATORS = ("blog", "heuristic", "heuristic-lofo", "formula", "formula-lofo", "exact")
@@ -91,15 +97,19 @@ class FormulaOnRows:
     estimator: object
     records: dict
 
-    def peak(self, row) -> float:
+    def predict(self, row) -> Estimate:
         record = self.records.get(row.model_id) or {}
         if record.get("status") != "ok":
             raise UserError(f"{row.model_id}: no ok config in the configs file")
         target = Target(int(row.parameters), row.model_id, record["config"])
-        attention = getattr(row, "attn_implementation", None)
-        run = Run(int(row.batch_size), int(row.seq_len), row.precision, row.optimizer, bool(row.gradient_checkpointing),
-                  attention if attention in ("eager", "sdpa") else None)
-        return self.estimator.predict(target, run).peak_bytes
+        return self.estimator.predict(target, run_of(row))
+
+
+def run_of(row) -> Run:
+    """The run of a measured point (an attention implementation the estimators tell apart, else None)."""
+    attention = getattr(row, "attn_implementation", None)
+    return Run(int(row.batch_size), int(row.seq_len), row.precision, row.optimizer, bool(row.gradient_checkpointing),
+               attention if attention in ("eager", "sdpa") else None)
 
 
 class ExactCache:
@@ -122,13 +132,13 @@ class ExactCache:
             self.configs[model_id] = resolved_from_record(model_id, record).config
         return self.configs[model_id]
 
-    def peak(self, row) -> float:
+    def predict(self, row) -> Estimate:
         attn = row.attn_implementation if isinstance(row.attn_implementation, str) else None
         key = (row.model_id, int(row.batch_size), int(row.seq_len), row.precision, row.optimizer,
                bool(row.gradient_checkpointing), attn)
         if key not in self.answers:
             target = Target(int(row.parameters), row.model_id, self.config(row.model_id))
-            self.answers[key] = ExactEstimator().predict(target, Run(*key[1:])).peak_bytes
+            self.answers[key] = ExactEstimator().predict(target, Run(*key[1:]))
         return self.answers[key]
 
 
@@ -150,13 +160,16 @@ def _simulated_key(row) -> tuple:
     return tuple(str(get(name)) for name in SIMULATED_KEYS)
 
 
-def simulated_peak(lookup: dict, row) -> float:
+def simulated_peak(lookup: dict, row) -> Estimate:
+    """The simulate stage's answer for a row (reserved: None in a table made before it was simulated)."""
     found = lookup.get(_simulated_key(row))
     if found is None:
         raise UserError("point not in the simulated table")
     if found["simulate_status"] != "ok":
         raise UserError(f"simulator: {found['simulate_reason']}")
-    return float(found["simulated_peak_bytes"])
+    reserved = found.get("simulated_peak_reserved_bytes")
+    return Estimate(float(found["simulated_peak_bytes"]), None,
+                    reserved_bytes=None if reserved is None or reserved != reserved else float(reserved))
 
 
 class SimulatedTable:
@@ -165,7 +178,7 @@ class SimulatedTable:
     def __init__(self, simulated):
         self.lookup = simulated_lookup(simulated)
 
-    def peak(self, row) -> float:
+    def predict(self, row) -> Estimate:
         return simulated_peak(self.lookup, row)
 
 
@@ -176,12 +189,9 @@ class OnRows:
     estimator: object  # a pipeline.estimate estimator
     active: dict  # model id -> parameters active per token (MoE); absent: dense
 
-    def peak(self, row) -> float:
+    def predict(self, row) -> Estimate:
         target = Target(int(row.parameters), row.model_id, active_parameters=self.active.get(row.model_id))
-        attention = getattr(row, "attn_implementation", None)
-        run = Run(int(row.batch_size), int(row.seq_len), row.precision, row.optimizer, bool(row.gradient_checkpointing),
-                  attention if attention in ("eager", "sdpa") else None)
-        return self.estimator.predict(target, run).peak_bytes
+        return self.estimator.predict(target, run_of(row))
 
 
 def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False, simulated=None):
@@ -197,7 +207,8 @@ def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False, 
     if rows.empty:
         raise UserError("peak table: no ok or oom rows of the standard training step")
     active = {r["model_id"]: r.get("active_parameters") for r in coefficients["data"]["rows"]}  # MoE: per token
-    shared = {"blog": OnRows(BlogEstimator(), active), "heuristic": OnRows(HeuristicEstimator(coefficients), active)}
+    shared = {"blog": OnRows(BlogEstimator(reserved_ratio(coefficients)), active),
+              "heuristic": OnRows(HeuristicEstimator(coefficients), active)}
     if simulated is not None or exact:
         shared["exact"] = SimulatedTable(simulated) if simulated is not None else ExactCache(configs_path)
     records = {}
@@ -218,15 +229,22 @@ def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False, 
     records = []
     for row in rows.itertuples(index=False):
         for estimator in estimators:
-            predicted, reason = _predicted(row, by_family[row.family][estimator])
+            predicted, reserved, reason = _predicted(row, by_family[row.family][estimator])
             measured = float(row.peak_allocated_bytes) if row.status == "ok" else math.nan
+            measured_reserved = _measured_reserved(row)
+            outside = context_bytes(row.precision, getattr(row, "attn_implementation", None))
             record = {column: getattr(row, column) for column in KEY_COLUMNS}
             record.update(
                 estimator=estimator, predicted_peak_bytes=predicted, measured_peak_bytes=measured,
                 relative_error=(predicted - measured) / measured if row.status == "ok" else math.nan,
                 fits_predicted=None if math.isnan(predicted) else bool(predicted <= row.gpu_total_bytes),
                 fits_measured=row.status == "ok", gpu_memory_bytes=row.gpu_total_bytes, reason=reason,
-                config_source=getattr(row, "config_source", None), config_revision=getattr(row, "config_revision", None))
+                config_source=getattr(row, "config_source", None), config_revision=getattr(row, "config_revision", None),
+                predicted_reserved_bytes=reserved, measured_reserved_bytes=measured_reserved,
+                reserved_relative_error=(reserved - measured_reserved) / measured_reserved,
+                outside_bytes=outside,
+                fits_predicted_reserved=None if math.isnan(reserved)
+                else bool(reserved + outside <= row.gpu_total_bytes))
             records.append(record)
     table = pd.DataFrame.from_records(records)
     for name, value in software().items():
@@ -234,18 +252,29 @@ def validate(peaks, coefficients: dict, configs_path=None, exact: bool = False, 
     return table
 
 
-def _predicted(row, source) -> tuple[float, str | None]:
-    """(prediction, None) or (NaN, why not): one failing point never stops the stage."""
+def _predicted(row, source) -> tuple[float, float, str | None]:
+    """(peak, reserved, None) or (NaN, NaN, why not): one failing point never stops the stage."""
     import math
 
     if source is None:  # heuristic-lofo without a refit
-        return math.nan, "too few models left without this family"
+        return math.nan, math.nan, "too few models left without this family"
     try:
-        return float(source.peak(row)), None
+        estimated = source.predict(row)
     except UserError as exc:
-        return math.nan, str(exc)
+        return math.nan, math.nan, str(exc)
     except Exception as exc:  # noqa: BLE001 - the simulator failing on one model is a row, not a crash
-        return math.nan, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return math.nan, math.nan, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    reserved = estimated.reserved_bytes
+    return float(estimated.peak_bytes), math.nan if reserved is None else float(reserved), None
+
+
+def _measured_reserved(row) -> float:
+    import math
+
+    value = getattr(row, "peak_reserved_bytes", None)
+    if row.status != "ok" or value is None or value != value:
+        return math.nan
+    return float(value)
 
 
 # ----------------------------------------------------------------------------- summary
@@ -254,6 +283,28 @@ def _predicted(row, source) -> tuple[float, str | None]:
 def error_summary(group) -> dict:
     ok = group[group["status"] == "ok"]["relative_error"].abs().dropna()
     judged = group.dropna(subset=["fits_predicted"])
+    return {**_error_summary(group, ok, judged), **reserved_summary(group)}
+
+
+def reserved_summary(group) -> dict:
+    """Reserved-bytes errors and the fit verdict's accuracy (reserved + outside memory)."""
+    ok = group[group["status"] == "ok"]["reserved_relative_error"].abs().dropna()
+    judged = group.dropna(subset=["fits_predicted_reserved", "fits_predicted"])
+    right = judged["fits_predicted_reserved"] == judged["fits_measured"]
+    right_before = judged["fits_predicted"] == judged["fits_measured"]
+    return {
+        "reserved_points": int(len(ok)),
+        "reserved_median_abs_relative_error": float(ok.median()) if len(ok) else None,
+        "reserved_p90_abs_relative_error": float(ok.quantile(0.9)) if len(ok) else None,
+        "reserved_worst_abs_relative_error": float(ok.max()) if len(ok) else None,
+        "reserved_fit_points": int(len(judged)),
+        "reserved_fit_accuracy": float(right.mean()) if len(judged) else None,
+        "reserved_fit_corrected": int((right & ~right_before).sum()),  # wrong on allocated, right on reserved
+        "reserved_fit_broken": int((~right & right_before).sum()),
+    }
+
+
+def _error_summary(group, ok, judged) -> dict:
     return {
         "points": int(len(ok)),
         "median_abs_relative_error": float(ok.median()) if len(ok) else None,
@@ -298,6 +349,16 @@ def summary_markdown(summary: dict) -> str:
             lines.append(f"| {estimator} | {precision} | {s['points']} | {_pct(s['median_abs_relative_error'])} | "
                          f"{_pct(s['p90_abs_relative_error'])} | {_pct(s['worst_abs_relative_error'])} | "
                          f"{_pct(s['median_relative_error'])} | {_pct(s['fit_accuracy'])} |")
+    lines += ["", "Peak reserved (`torch.cuda.max_memory_reserved()`): |relative error| of `ok` points, and the fit "
+                  "verdict (predicted reserved + memory outside PyTorch <= the GPU's memory) over `ok` and `oom` "
+                  "points; corrected / broken: points that the allocated-based verdict got wrong / right and this "
+                  "one right / wrong.", "",
+              "| estimator | points | median | 90th pct | worst | fit/no-fit accuracy | corrected | broken |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for estimator, s in summary["overall"].items():
+        lines.append(f"| {estimator} | {s['reserved_points']} | {_pct(s['reserved_median_abs_relative_error'])} | "
+                     f"{_pct(s['reserved_p90_abs_relative_error'])} | {_pct(s['reserved_worst_abs_relative_error'])} | "
+                     f"{_pct(s['reserved_fit_accuracy'])} | {s['reserved_fit_corrected']} | {s['reserved_fit_broken']} |")
     fit = summary.get("activation_fit")
     if fit:
         lofo, blog = fit["leave_one_family_out"] or {}, fit["blog_on_our_counts"]

@@ -85,9 +85,11 @@ def test_heuristic_takes_active_parameters_of_a_moe_config(coefficients, tmp_pat
 
 def test_gpu_memory_answer_and_max_batch_size(coefficients):
     kwargs = dict(params=QWEN_1_5B_PARAMETERS, seq=256, precision="fp32", method="blog")
-    peak = estimate(batch=16, **kwargs)["peak_bytes"]
-    assert estimate(batch=16, gpu_memory_gib=80, **kwargs)["fits"] is (peak <= 80 * GIB)
-    assert estimate(batch=16, gpu_memory_gib=peak / GIB * 0.99, **kwargs)["fits"] is False
+    result = estimate(batch=16, gpu_memory_gib=80, **kwargs)
+    need = result["peak_reserved_bytes"] + result["outside_bytes"]  # the verdict: reserved + outside PyTorch
+    assert result["peak_reserved_bytes"] > result["peak_bytes"]
+    assert result["fits"] is (need <= 80 * GIB) and result["headroom_bytes"] == pytest.approx(80 * GIB - need)
+    assert estimate(batch=16, gpu_memory_gib=need / GIB * 0.99, **kwargs)["fits"] is False
     for method in ("blog", "heuristic"):
         kwargs["method"] = method
         sizes = [max_batch_size(gpu_memory_gib=m, coefficients=coefficients, **kwargs) for m in (16, 24, 40, 80, 141)]
@@ -179,15 +181,23 @@ class _Linear:
 
 @pytest.mark.parametrize("guess", [None, 1, 2, 29, 30, 31, 1000])
 def test_largest_batch_is_one_search_for_every_estimator(guess):
-    from pipeline.estimate import Run, Target, largest_batch
+    """`largest` is the search of max_batch_size and max_seq_len (on the fit verdict); here on a plain budget."""
+    from pipeline.estimate import Run, Target, largest
 
     run, target = Run(1, 8, "fp32"), Target(1)
+
+    def search(estimator, memory, **limit):
+        def fit(batch):
+            return estimator.predict(target, run.with_batch(batch)).peak_bytes <= memory
+        return largest(fit, limit.get("limit", 2**24), estimator.guess_batch(target, run, memory))
+
     for memory, expected in ((12, 0), (13, 1), (99, 29), (100, 30), (3 * 2**20 + 10, 2**20)):
-        estimator = _Linear(guess)
-        assert largest_batch(estimator, target, run, memory) == expected
+        assert search(_Linear(guess), memory) == expected
     # the doubling stops past the limit (or past twice a checked guess)
-    assert largest_batch(_Linear(guess), target, run, 10**12, limit=64) >= 64
-    assert largest_batch(_Linear(), target, run, 10**12, limit=64) == 127
+    assert search(_Linear(guess), 10**12, limit=64) >= 64
+    assert search(_Linear(), 10**12, limit=64) == 127
+    assert largest(lambda n: n <= 1000, 64, None, exact_limit=True) == 64  # max_seq_len: never past the limit
+    assert largest(lambda n: n <= 50, 64, None, exact_limit=True) == 50
 
 
 def test_formulas_and_coefficients_import_nothing_heavy():

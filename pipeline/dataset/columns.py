@@ -96,6 +96,12 @@ COLUMNS = {
     "fits_predicted": ("", "the estimator says the point fits in gpu_memory_bytes"),
     "fits_measured": ("", "the point ran without running out of memory"),
     "gpu_memory_bytes": ("bytes", "memory of the GPU the fit decision refers to"),
+    "predicted_reserved_bytes": ("bytes", "peak reserved (allocator segments) predicted by the estimator"),
+    "measured_reserved_bytes": ("bytes", "measured peak_reserved_bytes (empty for oom rows)"),
+    "reserved_relative_error": ("ratio", "(predicted - measured) / measured peak reserved"),
+    "outside_bytes": ("bytes", "memory of the process outside PyTorch's allocator that the fit verdict adds "
+                               "(CUDA context, kernels, libraries; measured on the H200)"),
+    "fits_predicted_reserved": ("", "the fit verdict: predicted reserved + outside_bytes <= gpu_memory_bytes"),
 }
 
 # The coefficients subset (coefficients.json flattened; units of a and b are in unit_a, unit_b).
@@ -142,6 +148,8 @@ COLUMNS.update({
     "simulate_status": ("", "ok, or why the simulator has no number (error, skipped)"),
     "simulate_reason": ("", "why the simulation is not ok (empty when ok)"),
     "simulate_seconds": ("s", "wall time of the simulation"),
+    "simulated_peak_reserved_bytes": ("bytes", "peak reserved (the caching allocator's segments) predicted by the "
+                                               "simulator, torch.cuda.max_memory_reserved()"),
 })
 
 # The features subset (pipeline.features on configs.json): the closed-form formula's inputs, per model.

@@ -7,6 +7,13 @@ handed out and counted. Which block a request gets depends on what was allocated
 before (best fit among the cached free blocks, else a new segment), so this class replays the
 allocator's rules (c10/cuda/CUDACachingAllocator.cpp, default settings: no expandable segments,
 no max_split_size, one stream) on the sequence of allocations and frees.
+
+`torch.cuda.memory_reserved` is the sum of the segments (cudaMalloc'd memory). Within a training step
+nothing gives a segment back (that takes `torch.cuda.empty_cache()`, or a failed cudaMalloc, which
+frees the cached segments and retries: only at the edge of out-of-memory), so the reserved bytes only
+grow and their peak is the last value. `ExpandableSegments` replays
+`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` instead: one segment per pool, grown at its end
+in pages of 2 MiB (small pool) or 20 MiB (large pool) as the source's `SegmentRange` maps them.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class CachingAllocator:
         self.ending_at = {}  # end address -> address of the block that ends there
         self.segments = {}  # segment start -> segment end
         self.next_segment = 0
+        self.reserved = 0  # sum of the segments
+        self.trace = None  # a list: the malloc/free events are recorded there (see `replay`)
 
     def malloc(self, nbytes: int) -> tuple[int, int]:
         """Allocate `nbytes` (> 0); returns (address, block size counted as allocated)."""
@@ -58,10 +67,9 @@ class CachingAllocator:
         if index < len(pool):
             block_size, address = pool.pop(index)
         else:
-            block_size, address = segment_size(size), self.next_segment
-            self.next_segment += block_size + ROUND_LARGE  # a gap: blocks of two segments never merge
-            self.segments[address] = address + block_size
-            self._place(address, block_size, small)
+            address, block_size = self._grow(size, small)
+        if self.trace is not None:
+            self.trace.append((address, nbytes))
         remaining = block_size - size
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
             self._place(address, size, small)
@@ -72,8 +80,19 @@ class CachingAllocator:
         self.blocks[address][1] = False
         return address, block_size
 
+    def _grow(self, size: int, small: bool) -> tuple[int, int]:
+        """A new segment for a request that no cached block fits: (address, block size)."""
+        block_size, address = segment_size(size), self.next_segment
+        self.next_segment += block_size + ROUND_LARGE  # a gap: blocks of two segments never merge
+        self.segments[address] = address + block_size
+        self.reserved += block_size
+        self._place(address, block_size, small)
+        return address, block_size
+
     def free(self, address: int) -> int:
         """Free the block at `address` (merging it with free neighbours); returns its counted size."""
+        if self.trace is not None:
+            self.trace.append((address, None))
         size, _, small = self.blocks[address]
         merged_address, merged_size = address, size
         following = self.blocks.get(address + size)
@@ -98,9 +117,23 @@ class CachingAllocator:
             for size, address in pool:
                 if self.segments.get(address) == address + size:
                     del self.blocks[address], self.ending_at[address + size], self.segments[address]
+                    self.reserved -= size
                 else:
                     keep.append((size, address))
             self.free_blocks[small] = keep
+
+    def replay(self, trace: list, addresses: dict | None = None) -> dict:
+        """Run recorded events again from the current state: `(address, nbytes)` allocates,
+        `(address, None)` frees what the event that allocated `address` got here (frees of blocks
+        allocated before the trace are skipped). Returns the address map, to go on with a next
+        trace in the same step."""
+        addresses = {} if addresses is None else addresses
+        for address, nbytes in trace:
+            if nbytes is not None:
+                addresses[address] = self.malloc(nbytes)[0]
+            elif address in addresses:
+                self.free(addresses.pop(address))
+        return addresses
 
     def _place(self, address: int, size: int, small: bool) -> None:
         self.blocks[address] = [size, False, small]
@@ -110,3 +143,82 @@ class CachingAllocator:
         size, _, small = self.blocks[address]
         pool = self.free_blocks[small]
         del pool[bisect_left(pool, (size, address))]
+
+
+PAGE = {True: SMALL_SEGMENT, False: LARGE_SEGMENT}  # expandable segments map 2 / 20 MiB pages
+
+
+class ExpandableSegments(CachingAllocator):
+    """The caching allocator with `expandable_segments:True`: per pool one segment that grows at its
+    end (the free block at the end grows with it); reserved = the mapped pages."""
+
+    def __init__(self):
+        super().__init__()
+        self.end = {True: 0, False: 1 << 60}  # each pool's segment in its own address range
+        self.start = dict(self.end)
+
+    def _grow(self, size: int, small: bool) -> tuple[int, int]:
+        address = self.ending_at.get(self.end[small])
+        if address is not None and self.blocks[address][1]:
+            self._unlist(address)
+            del self.blocks[address], self.ending_at[self.end[small]]
+        else:
+            address = self.end[small]
+        self.end[small] = address + size
+        self.reserved = sum(-(-(self.end[pool] - self.start[pool]) // PAGE[pool]) * PAGE[pool] for pool in PAGE)
+        self._place(address, size, small)
+        return address, size
+
+    def empty_cache(self) -> None:
+        raise NotImplementedError("empty_cache of expandable segments is not replayed")
+
+
+class Fanout:
+    """Several allocators fed the same requests (the tracker's reserved replays): an address is the
+    tuple of their addresses."""
+
+    def __init__(self, allocators):
+        self.allocators = list(allocators)
+
+    def malloc(self, nbytes: int) -> tuple[tuple, None]:
+        return tuple(a.malloc(nbytes)[0] for a in self.allocators), None
+
+    def free(self, addresses: tuple) -> None:
+        for allocator, address in zip(self.allocators, addresses):
+            allocator.free(address)
+
+    def record(self) -> None:
+        for allocator in self.allocators:
+            allocator.trace = []
+
+    def stop(self) -> list:
+        traces = [a.trace for a in self.allocators]
+        for allocator in self.allocators:
+            allocator.trace = None
+        return traces
+
+
+def later_steps_reserved(allocator: CachingAllocator, forward: list, backward: list, optimizer: list,
+                         ids: int | None, loss: int | None, steps: int = 2) -> int:
+    """Reserved bytes after `steps` more training steps, from `allocator`'s state after the first.
+
+    Later steps make the first step's requests again (the recorded traces), but into segments laid
+    out by the first step and with the optimizer state now in some of them, so they may need more.
+    `ids` and `loss` are the addresses of the step's token ids and loss (alive at the end of a step,
+    allocated in `forward`): the previous step's ids are freed once the new ones exist (the first
+    request of the forward), its loss once the new forward is done. Works on a copy."""
+    import copy
+
+    allocator = copy.deepcopy(allocator)
+    allocator.trace = None
+    ids_event, loss_event = ids, loss
+    for _ in range(steps):
+        addresses = allocator.replay(forward[:1])
+        if ids is not None:
+            allocator.free(ids)
+        allocator.replay(forward[1:], addresses)
+        if loss is not None:
+            allocator.free(loss)
+        allocator.replay(backward + optimizer, addresses)
+        ids, loss = addresses.get(ids_event), addresses.get(loss_event)
+    return allocator.reserved

@@ -11,7 +11,8 @@ from pipeline.vocabulary import POINT_KEY
 
 SIMULATED_COLUMNS = ("simulated_peak_bytes", "simulated_forward_peak_bytes", "simulated_backward_peak_bytes",
                      "simulated_optimizer_peak_bytes", "simulated_saved_bytes", "simulated_optimizer_state_bytes",
-                     "simulated_peak_phase", "simulate_status", "simulate_reason", "simulate_seconds")
+                     "simulated_peak_phase", "simulate_status", "simulate_reason", "simulate_seconds",
+                     "simulated_peak_reserved_bytes")
 
 
 def simulate_peaks(peaks_path=PEAKS, configs_path=CONFIGS, out_path=SIMULATED, workers: int = 1):
@@ -94,4 +95,5 @@ def _simulate_row(point: dict, configs: dict) -> dict:
                 simulated_backward_peak_bytes=phases["backward"], simulated_optimizer_peak_bytes=phases["optimizer"],
                 simulated_saved_bytes=result["saved_bytes"],
                 simulated_optimizer_state_bytes=result["optimizer_state_bytes"],
-                simulated_peak_phase=result["peak_phase"], simulate_status="ok", simulate_seconds=result["seconds"])
+                simulated_peak_phase=result["peak_phase"], simulate_status="ok", simulate_seconds=result["seconds"],
+                simulated_peak_reserved_bytes=result["peak_reserved_bytes"])

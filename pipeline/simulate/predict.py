@@ -22,7 +22,8 @@ def predict_peak(config, batch_size: int, seq_len: int, precision: str = "fp32",
 
     `config`: a transformers config or a config.json dict. Returns peak_bytes, components (bytes by
     role at the peak moment), phase_peaks, saved_bytes (autograd saved-for-backward storages of the
-    forward, parameters excluded) and seconds.
+    forward, parameters excluded), peak_reserved_bytes (`torch.cuda.max_memory_reserved()`),
+    peak_reserved_expandable_bytes (the same with `expandable_segments:True`) and seconds.
     """
     from pipeline.simulate.step import simulate_training_step
 

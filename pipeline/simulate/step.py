@@ -5,13 +5,18 @@ the maximum over three steps. Steps 2 and 3 are alike: they differ from step 1 b
 state that exists from step 1 on (and the previous step's loss). So one forward and backward is
 run, then two optimizer steps: forward and backward peaks of step 2 are those of step 1 plus the
 state; the optimizer peak is the larger of the two optimizer steps.
+
+Reserved bytes (the allocator's segments) are replayed apart, with the default allocator settings and
+with expandable segments; for steps 2 and 3 the first step's requests are replayed from the state
+that step 1 left (`allocator.later_steps_reserved`), since the segments stay cached between steps.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from pipeline.simulate.allocator import CachingAllocator, allocated_bytes
+from pipeline.simulate.allocator import (CachingAllocator, ExpandableSegments, Fanout, allocated_bytes,
+                                         later_steps_reserved)
 from pipeline.step import Setting, make_optimizer, set_training_mode, token_ids, training_loss, zero_grad
 
 PHASES = ("forward", "backward", "optimizer")
@@ -36,9 +41,11 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     setting = Setting(variant, optimizer, gradient_checkpointing)
     rules = KernelRules(device_type, sdpa=cuda_rules)
     meta = device_type == "meta"
+    reserved = Fanout([CachingAllocator(), ExpandableSegments()])
     tracker = LiveBytesTracker(device_type, workspace_rules() if cuda_rules else None,
                                scalar_stand_ins() if meta else None, UniformValues() if meta else None,
-                               CachingAllocator() if blocks else None, host_outputs() if cuda_rules else None)
+                               CachingAllocator() if blocks else None, host_outputs() if cuda_rules else None,
+                               reserved)
     set_training_mode(model, setting)
     if gradient_checkpointing:
         rules.wrap_checkpointing(model)
@@ -55,14 +62,18 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     amp = rules.autocast(torch.bfloat16) if precision == "amp-bf16" else contextlib.nullcontext()
     try:
         with rules, tracker:
+            reserved.record()
             tracker.start_phase("forward", "activations")
             ids = token_ids(model, batch_size, seq_len, setting, device_type)
             with saved.hooks(), amp:
                 loss = training_loss(model, ids, setting)
             saved_bytes = saved.bytes()
             tracker.observer = None  # data-dependent questions are asked in the forward only
+            forward = reserved.stop()
+            reserved.record()
             tracker.start_phase("backward", "activations")
             loss.backward()
+            backward = reserved.stop()
             tracker.start_phase("optimizer", "optimizer_intermediates")
             opt.step()
             state = optimizer_state(opt, device_type)
@@ -70,8 +81,10 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
                 tracker.retag(tensor, "optimizer_state")
             step1 = tracker.peaks.pop("optimizer")
             tracker.start_phase("optimizer", "optimizer_intermediates")
+            reserved.record()
             opt.step()
             zero_grad(opt, setting)
+            optimizer_trace = reserved.stop()
             tracker.phase = None
     finally:
         for hook in hooks:
@@ -83,6 +96,10 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     loss_bytes = allocated_bytes(loss.untyped_storage().nbytes()) if loss.device.type == device_type else 0
     result = summarise(tracker.peaks, step1, state_bytes, loss_bytes, saved_bytes)
     result["optimizer_state_bytes"] = state_raw_bytes  # as pipeline.memory reports it: storage bytes
+    ids_at, loss_at = tracker.address_of(ids), tracker.address_of(loss)
+    result["peak_reserved_bytes"], result["peak_reserved_expandable_bytes"] = (
+        later_steps_reserved(allocator, *traces, ids_at and ids_at[i], loss_at and loss_at[i])
+        for i, (allocator, *traces) in enumerate(zip(reserved.allocators, forward, backward, optimizer_trace)))
     return result
 
 

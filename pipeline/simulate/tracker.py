@@ -10,8 +10,10 @@ that kernels allocate inside one op (invisible on the meta device); `stand_ins` 
 fn(func, args, kwargs) -> out}) replace ops, e.g. to answer data-dependent questions (`.item()`)
 that the meta device cannot; `observer(func, args, kwargs, out)` sees every op; `allocator` (an
 `allocator.CachingAllocator`) counts blocks the way the CUDA caching allocator does instead of
-requests rounded to 512 bytes; `host_outputs` ({op: fn(args, kwargs) -> output indices}) names
-outputs that CUDA keeps on the host.
+requests rounded to 512 bytes; `reserved_allocator` (another one) replays the same allocations
+plus the kernels' scratch memory (allocated and freed inside the op) for the reserved bytes, apart
+so that the allocated-bytes replay stays as it was tuned; `host_outputs` ({op: fn(args, kwargs) ->
+output indices}) names outputs that CUDA keeps on the host.
 """
 
 from __future__ import annotations
@@ -49,17 +51,18 @@ class LiveBytesTracker(TorchDispatchMode):
     """Live bytes on `device_type` by role, and their peak per phase (see the module docstring)."""
 
     def __init__(self, device_type: str, workspace_rules: dict | None = None, stand_ins: dict | None = None,
-                 observer=None, allocator=None, host_outputs=None):
+                 observer=None, allocator=None, host_outputs=None, reserved_allocator=None):
         super().__init__()
         self.observer = observer
         self.allocator = allocator
+        self.reserved_allocator = reserved_allocator
         self.host_outputs = host_outputs or {}
         self.device_type = device_type
         self.workspace_rules = workspace_rules or {}
         self.stand_ins = stand_ins or {}
         self.untracked_ops = _host_scalar_ops() if device_type == "cpu" else ()
         self.output_cache = SHARED_OUTPUT_CACHE if device_type == "meta" else None
-        self.entries = {}  # id(storage) -> [weakref, bytes, category, seq, address]
+        self.entries = {}  # id(storage) -> [weakref, bytes, category, seq, address, reserved address]
         self.parts = dict.fromkeys(CATEGORIES, 0)
         self.live = 0
         self.seq = 0
@@ -85,7 +88,7 @@ class LiveBytesTracker(TorchDispatchMode):
         category = category or self.category
         self.seq += 1
         ref = weakref.ref(storage, partial(self._freed, key))
-        self.entries[key] = [ref, size, category, self.seq, address]
+        self.entries[key] = [ref, size, category, self.seq, address, self._reserve(storage.nbytes())]
         self.parts[category] += size
         self.live += size
 
@@ -94,6 +97,18 @@ class LiveBytesTracker(TorchDispatchMode):
             return None, allocated_bytes(nbytes)
         return self.allocator.malloc(nbytes)
 
+    def _reserve(self, nbytes: int):
+        return self.reserved_allocator.malloc(nbytes)[0] if self.reserved_allocator and nbytes > 0 else None
+
+    def _unreserve(self, address) -> None:
+        if address is not None:
+            self.reserved_allocator.free(address)
+
+    def address_of(self, tensor):
+        """The reserved allocator's block of `tensor`'s storage (None if not counted)."""
+        entry = self.entries.get(id(tensor.untyped_storage()))
+        return entry[5] if entry is not None else None
+
     def _resized(self, entry, nbytes: int) -> None:
         """A storage that an op grew in place (`resize_`, `out=` arguments)."""
         if allocated_bytes(nbytes) <= entry[1]:
@@ -101,9 +116,11 @@ class LiveBytesTracker(TorchDispatchMode):
         address, size = self._malloc(nbytes)
         if entry[4] is not None:
             self.allocator.free(entry[4])
+        reserved_address = self._reserve(nbytes)
+        self._unreserve(entry[5])
         self.parts[entry[2]] += size - entry[1]
         self.live += size - entry[1]
-        entry[1], entry[4] = size, address
+        entry[1], entry[4], entry[5] = size, address, reserved_address
 
     def _freed(self, key, _ref) -> None:
         entry = self.entries.pop(key, None)
@@ -112,6 +129,7 @@ class LiveBytesTracker(TorchDispatchMode):
             self.live -= entry[1]
             if entry[4] is not None:
                 self.allocator.free(entry[4])
+            self._unreserve(entry[5])
 
     def retag(self, tensor, category: str) -> None:
         """Give a counted storage another role (a gradient, an optimizer moment).
@@ -175,6 +193,9 @@ class LiveBytesTracker(TorchDispatchMode):
             if hasattr(t, "untyped_storage") and index not in skip:
                 self.track(t)
         rule = self.workspace_rules.get(func)
-        extra = sum(allocated_bytes(n) for n in rule(args, kwargs, out)) if rule else 0
+        scratch = rule(args, kwargs, out) if rule else ()
+        extra = sum(allocated_bytes(n) for n in scratch)
+        for address in [self._reserve(n) for n in scratch]:
+            self._unreserve(address)
         self.note_peak(extra)
         return out
