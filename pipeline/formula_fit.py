@@ -120,6 +120,16 @@ def line_fit(rows, **run) -> dict:
     return fit_terms(x, rows["elements_per_token"], rows["family"], rows["model_id"], ["a", "b"], **run)
 
 
+def hook_predictions(rows, hook_fit, line_fit) -> list:
+    """Per model: the counted hook elements per token and what each formula predicts (the figures' points)."""
+    n = rows["parameters"].to_numpy(float)
+    return [{"model_id": m, "family": f, "counted": float(y), "formula": float(p), "formula_lofo": float(q),
+             "line": float(a), "line_lofo": float(b), "blog": float(blog_a_bytes(k) / BLOG_A_BYTES_PER_ELEMENT)}
+            for m, f, y, p, q, a, b, k in zip(rows["model_id"], rows["family"], rows["elements_per_token"],
+                                              hook_fit["predicted"], hook_fit["predicted_lofo"], line_fit["predicted"],
+                                              line_fit["predicted_lofo"], n)]
+
+
 def comparison_markdown(rows: list) -> str:
     lines = ["| quantity | formula | sample | points | R^2 | MAPE | median | worst (model) |", "|---|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -165,5 +175,6 @@ def fit_formula(models, activations, peaks, records: dict, resamples: int = RESA
         "parameters_closed_form": parameter_check(models, facts),
         "korthikanti": "per layer 34*s*b*h + 5*a*s^2*b bytes (16-bit; Korthikanti et al. 2022)",
         "comparison": table,
+        "hook_predictions": hook_predictions(hooks, hook, line),
     }
     return section, comparison_markdown(table)
