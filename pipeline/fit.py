@@ -46,6 +46,9 @@ SEED = 0
 FORMULA_TABLE_HEADER = ("Closed-form activation formula (pipeline/features.py, fitted by pipeline/formula_fit.py) "
                         "beside A = a*N + b, the blog's published line and Korthikanti et al.; |relative error| "
                         "per model (hook) or per (model, B, L) point (saved bytes).\n\n")
+# The validate stage replaces this section with the peak rows (it has every estimator's peaks).
+PEAK_SECTION = "\n## Peak of the standard training step\n"
+PEAK_SECTION_PENDING = PEAK_SECTION + "\nWritten by the validate stage (`python -m pipeline validate`).\n"
 KFOLD_SPLITS = 5
 BOOTSTRAP_RESAMPLES = 1000
 INTERVAL_LEVEL = 0.95
@@ -490,8 +493,8 @@ def run_fit(models_path, activations_path, out_path, peaks_path=None, seed: int 
     coefficients = fit_coefficients(models, activations, peaks, seed, resamples, inputs, records)
     write_coefficients(coefficients, out_path)
     comparison_path = comparison_path or Path(out_path).with_name("formula_comparison.md")
-    write_text(FORMULA_TABLE_HEADER + comparison_markdown(coefficients["activation_formula"]["comparison"]),
-               comparison_path)
+    write_text(FORMULA_TABLE_HEADER + comparison_markdown(coefficients["activation_formula"]["comparison"])
+               + PEAK_SECTION_PENDING, comparison_path)
     return coefficients
 
 
