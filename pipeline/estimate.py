@@ -300,18 +300,19 @@ class FormulaEstimator(ClosedFormEstimator):
 
     def predict(self, target: Target, run: Run) -> Estimate:
         from pipeline.features import read_facts
-        from pipeline.formula_fit import HOOK_TERMS, design
         from pipeline.formula_peak import peak_group, predict_peak
+        from pipeline.hook_features import hook_feature_values
 
         section = self.coefficients["activation_formula"]
-        facts = read_facts(config_dict(target.config))
+        config = config_dict(target.config)
+        facts = read_facts(config)
         group = peak_group(run.precision, run.checkpointing)
         if group not in section["peak"]:
             raise UserError(f"method 'formula': the coefficient file has no peak fit for {group}")
         result = predict_peak(section["peak"], facts, target.parameters, run.batch, run.seq, run.precision,
                               run.optimizer, run.checkpointing, run.attn_implementation)
         hook = section["hook_elements"]["coefficients"]
-        elements = sum(hook.get(t, 0.0) * v for t, v in zip(HOOK_TERMS, design(facts, 1, HOOK_TERMS)))
+        elements = sum(hook.get(t, 0.0) * v for t, v in hook_feature_values(facts, config).items())
         return self.with_reserved(Estimate(result["peak_bytes"], result["components"], {
             "activations_per_token": elements, "activations_per_token_unit": "elements (hook method, formula)",
             "unread_terms": list(facts.unread),

@@ -20,6 +20,8 @@ FIGURES = {
     "predicted_vs_measured": ("validation.parquet",),
     "peak_vs_tokens": ("peak_memory.parquet",),
     "saved_bytes_vs_seq_len": ("activations.parquet",),
+    "formula_vs_counted": ("coefficients.json",),
+    "formula_residuals_by_family": ("coefficients.json",),
 }
 BAND_RESAMPLES = 1000
 
@@ -197,6 +199,86 @@ def draw_residuals_by_family(results_dir: Path):
     return figure
 
 
+# ----------------------------------------------------------------------------- the closed-form formula
+
+# (column of activation_formula.hook_predictions, panel title): leave-one-family-out where the fit is ours
+FORMULA_PANELS = (("blog", "blog's line (fp32 bytes ÷ 4), not fitted"),
+                  ("line_lofo", "A = a·N + b, leave one family out"),
+                  ("formula_lofo", "closed form, leave one family out"))
+
+
+def formula_points(results_dir: Path):
+    """The fit's per-model hook counts and predictions (coefficients.json, activation_formula.hook_predictions)."""
+    import pandas as pd
+
+    section = read(results_dir, "coefficients.json").get("activation_formula", {})
+    return pd.DataFrame.from_records(section.get("hook_predictions") or [],
+                                     columns=["model_id", "family", "counted", "formula", "formula_lofo", "line",
+                                              "line_lofo", "blog"])
+
+
+def relative_errors(points, column: str):
+    return (points[column] - points["counted"]) / points["counted"]
+
+
+def draw_formula_vs_counted(results_dir: Path):
+    import matplotlib.pyplot as plt
+
+    points = formula_points(results_dir)
+    figure, axes = plt.subplots(1, len(FORMULA_PANELS), figsize=(5.2 * len(FORMULA_PANELS), 5.2), squeeze=False,
+                                layout="constrained")
+    if points.empty:
+        no_data(axes[0, 0], "no hook predictions in coefficients.json")
+        return figure
+    colours = family_colours(points["family"])
+    values = points[["counted"] + [c for c, _ in FORMULA_PANELS]].to_numpy(float)
+    low, high = values[values > 0].min() / 1.5, values.max() * 1.5
+    for ax, (column, title) in zip(axes[0], FORMULA_PANELS):
+        for i, (family, group) in enumerate(points.groupby("family")):
+            ax.scatter(group["counted"], group[column], s=14, color=colours[family],
+                       marker=marker(sorted(colours).index(family)), zorder=3)
+        ax.plot([low, high], [low, high], color="black", lw=1, label="y = x")
+        ax.fill_between([low, high], [low / 1.1, high / 1.1], [low * 1.1, high * 1.1], color="grey", alpha=0.15,
+                        label="±10%")
+        error = relative_errors(points, column).abs()
+        ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high),
+               xlabel="counted hook elements per token (B=L=1)", ylabel="predicted",
+               title=f"{title}\nmedian |error| {error.median():.1%}, worst {error.max():.0%}")
+        ax.grid(True, which="both", alpha=0.25)
+    axes[0, 0].legend(fontsize=7, loc="upper left")
+    figure.suptitle(f"Predicted vs counted activations: {len(points)} models, {points['family'].nunique()} families "
+                    "(one colour per family)")
+    return figure
+
+
+def draw_formula_residuals_by_family(results_dir: Path):
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    points = formula_points(results_dir)
+    figure, ax = plt.subplots(figsize=(max(6.0, 0.28 * points["family"].nunique() + 2), 5))
+    if points.empty:
+        no_data(ax, "no hook predictions in coefficients.json")
+        return figure
+    points = points.assign(inside=relative_errors(points, "formula"), outside=relative_errors(points, "formula_lofo"))
+    order = points.groupby("family")["outside"].median().sort_values().index.tolist()
+    rng = np.random.default_rng(0)
+    for sample, offset, style in (("inside", -0.17, dict(color="tab:blue", marker="o")),
+                                  ("outside", 0.17, dict(color="tab:red", marker="x"))):
+        for i, family in enumerate(order):
+            values = points.loc[points["family"] == family, sample]
+            label = {"inside": "in sample", "outside": "leave one family out"}[sample] if i == 0 else None
+            ax.scatter(i + offset + rng.uniform(-0.08, 0.08, len(values)), values, s=14, label=label, zorder=3, **style)
+    ax.axhline(0, color="black", lw=1)
+    ax.set_xticks(range(len(order)), order, rotation=90, fontsize=7)
+    ax.yaxis.set_major_formatter(plt.matplotlib.ticker.PercentFormatter(1.0))
+    ax.set(ylabel="(closed form − counted) / counted",
+           title="Residuals of the closed-form hook count by family (sorted by the out-of-sample median)")
+    ax.grid(True, axis="y", alpha=0.25)
+    ax.legend(fontsize=7)
+    return figure
+
+
 # ----------------------------------------------------------------------------- peaks
 
 
@@ -333,6 +415,8 @@ DRAWERS = {
     "predicted_vs_measured": draw_predicted_vs_measured,
     "peak_vs_tokens": draw_peak_vs_tokens,
     "saved_bytes_vs_seq_len": draw_saved_bytes_vs_seq_len,
+    "formula_vs_counted": draw_formula_vs_counted,
+    "formula_residuals_by_family": draw_formula_residuals_by_family,
 }
 
 

@@ -47,6 +47,9 @@ SEED = 0
 FORMULA_TABLE_HEADER = ("Closed-form activation formula (pipeline/features.py, fitted by pipeline/formula_fit.py) "
                         "beside A = a*N + b, the blog's published line and Korthikanti et al.; |relative error| "
                         "per model (hook) or per (model, B, L) point (saved bytes).\n\n")
+# The peak rows come from the validate stage, which has every estimator's peaks.
+PEAK_SECTION_POINTER = ("\n## Peak of the standard training step\n\nIn `peak_comparison.md`, written by the "
+                        "validate stage (`python -m pipeline validate`).\n")
 KFOLD_SPLITS = 5
 BOOTSTRAP_RESAMPLES = 1000
 INTERVAL_LEVEL = 0.95
@@ -507,8 +510,8 @@ def run_fit(models_path, activations_path, out_path, peaks_path=None, seed: int 
     coefficients = fit_coefficients(models, activations, peaks, seed, resamples, inputs, records)
     write_coefficients(coefficients, out_path)
     comparison_path = comparison_path or Path(out_path).with_name("formula_comparison.md")
-    write_text(FORMULA_TABLE_HEADER + comparison_markdown(coefficients["activation_formula"]["comparison"]),
-               comparison_path)
+    write_text(FORMULA_TABLE_HEADER + comparison_markdown(coefficients["activation_formula"]["comparison"])
+               + PEAK_SECTION_POINTER, comparison_path)
     return coefficients
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from pipeline.features import FEATURES, feature_values, korthikanti_bytes_per_token, parameter_count, read_facts
 from pipeline.formula_peak import PEAK_FORMULA, fit_peak, peak_table
+from pipeline.hook_features import HOOK_FEATURES, HOOK_TERMS, hook_feature_values
 from pipeline.formula_regression import RESAMPLES, SEED, _metrics, _public, fit_terms
 from pipeline.formulas import BLOG_A_BYTES_PER_ELEMENT, blog_a_bytes
 from pipeline.vocabulary import ACTIVATION_BYTES, PRECISION_OF_DTYPE
 
 TERMS = list(FEATURES)
-HOOK_TERMS = [t for t in TERMS if t not in ("scores", "mask")]  # one token: no term in L
 N_TERM = "weights"  # the coefficient of N: bytes per parameter kept beside the activations
 
 
@@ -48,8 +48,13 @@ def hook_table(models, activations, facts):
     return rows[rows["model_id"].isin(facts)].sort_values("model_id").reset_index(drop=True)
 
 
-def fit_hook(rows, facts, **run) -> dict:
-    x = [design(facts[m], 1, HOOK_TERMS) for m in rows["model_id"]]
+def hook_design(records: dict, facts: dict) -> dict:
+    """{model id: the hook count's features (`pipeline.hook_features`)} of the ok models."""
+    return {m: list(hook_feature_values(f, records[m]["config"]).values()) for m, f in facts.items()}
+
+
+def fit_hook(rows, hook_x: dict, **run) -> dict:
+    x = [hook_x[m] for m in rows["model_id"]]
     fit = fit_terms(x, rows["elements_per_token"], rows["family"], rows["model_id"], HOOK_TERMS, **run)
     fit["units"] = {"y": "activation elements per token (hook method, B=1, L=1)", "c": "elements per feature unit"}
     fit["formula"] = "A = " + " + ".join(f"c_{t} x {t}" for t in HOOK_TERMS)
@@ -120,6 +125,16 @@ def line_fit(rows, **run) -> dict:
     return fit_terms(x, rows["elements_per_token"], rows["family"], rows["model_id"], ["a", "b"], **run)
 
 
+def hook_predictions(rows, hook_fit, line_fit) -> list:
+    """Per model: the counted hook elements per token and what each formula predicts (the figures' points)."""
+    n = rows["parameters"].to_numpy(float)
+    return [{"model_id": m, "family": f, "counted": float(y), "formula": float(p), "formula_lofo": float(q),
+             "line": float(a), "line_lofo": float(b), "blog": float(blog_a_bytes(k) / BLOG_A_BYTES_PER_ELEMENT)}
+            for m, f, y, p, q, a, b, k in zip(rows["model_id"], rows["family"], rows["elements_per_token"],
+                                              hook_fit["predicted"], hook_fit["predicted_lofo"], line_fit["predicted"],
+                                              line_fit["predicted_lofo"], n)]
+
+
 def comparison_markdown(rows: list) -> str:
     lines = ["| quantity | formula | sample | points | R^2 | MAPE | median | worst (model) |", "|---|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -148,13 +163,14 @@ def fit_formula(models, activations, peaks, records: dict, resamples: int = RESA
     facts = model_features(records)
     run = {"resamples": resamples, "seed": seed}
     hooks = hook_table(models, activations, facts)
-    hook = fit_hook(hooks, facts, **run)
+    hook = fit_hook(hooks, hook_design(records, facts), **run)
     saved_rows = {p: saved_table(models, activations, facts, p) for p in PRECISIONS}
     saved = {p: fit_saved(rows, facts, p, **run) for p, rows in saved_rows.items() if len(rows)}
     line = line_fit(hooks, **run)
     table = comparison(hooks, hook, line, saved, saved_rows, facts)
     section = {
         "features": dict(FEATURES),
+        "hook_features": dict(HOOK_FEATURES),
         "config_fields": {fact: list(names) for fact, names in FIELDS.items()},
         "feature_units": "elements per token (scores: per token at sequence length L)",
         "hook_elements": _public(hook),
@@ -165,5 +181,6 @@ def fit_formula(models, activations, peaks, records: dict, resamples: int = RESA
         "parameters_closed_form": parameter_check(models, facts),
         "korthikanti": "per layer 34*s*b*h + 5*a*s^2*b bytes (16-bit; Korthikanti et al. 2022)",
         "comparison": table,
+        "hook_predictions": hook_predictions(hooks, hook, line),
     }
     return section, comparison_markdown(table)

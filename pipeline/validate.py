@@ -374,8 +374,39 @@ def summary_markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# (estimator, formula, sample) of the peak rows of the formula comparison, in order
+PEAK_COMPARISON = (("formula", "closed form", "in sample"), ("formula-lofo", "closed form", "leave one family out"),
+                   ("heuristic", "A = a*N + b (heuristic)", "in sample"),
+                   ("heuristic-lofo", "A = a*N + b (heuristic)", "leave one family out"),
+                   ("blog", "blog (as published)", "not fitted"))
+
+
+def peak_comparison_markdown(summary: dict) -> str:
+    """The formula comparison's peak section: |relative error| of the standard step's peak per formula."""
+    lines = ["", f"Measured peaks of {summary['models']} models, {summary['families']} families; |relative error| "
+             "of `ok` points, fit verdict (fits the measured GPU or not) over `ok` and `oom` points "
+             "(validation.parquet).", "",
+             "| quantity | formula | sample | points | median | 90th pct | worst | fit verdict right |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for estimator, formula, sample in PEAK_COMPARISON:
+        s = summary["overall"].get(estimator)
+        if s:
+            lines.append(f"| peak, standard step, all precisions | {formula} | {sample} | {s['points']} | "
+                         f"{_pct(s['median_abs_relative_error'])} | {_pct(s['p90_abs_relative_error'])} | "
+                         f"{_pct(s['worst_abs_relative_error'])} | {_pct(s['fit_accuracy'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_peak_comparison(summary: dict, path) -> None:
+    """The peak rows of the formula comparison (the fit stage's formula_comparison.md has the count rows)."""
+    from pipeline.io import write_text
+
+    write_text("# Peak of the standard training step: the formulas compared\n" + peak_comparison_markdown(summary),
+               path)
+
+
 def run_validate(peaks_path, coefficients_path, configs_path, out_path, exact: bool = False,
-                 summary_path=None, simulated_path=None) -> dict:
+                 summary_path=None, simulated_path=None, comparison_path=None) -> dict:
     from pipeline.coefficients import load_coefficients
     from pipeline.fit import read_table
     from pipeline.io import write_json, write_parquet, write_text
@@ -391,6 +422,7 @@ def run_validate(peaks_path, coefficients_path, configs_path, out_path, exact: b
     write_parquet(table, out_path)
     write_text(summary_markdown(summary), summary_path)
     write_json(summary, summary_path.with_suffix(".json"))
+    write_peak_comparison(summary, comparison_path or Path(out_path).with_name("peak_comparison.md"))
     return summary
 
 
@@ -402,6 +434,8 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--out", default=VALIDATION)
     parser.add_argument("--summary", default=None, help="markdown summary (default: validation_summary.md beside --out; "
                                                         "JSON beside it)")
+    parser.add_argument("--comparison", default=None,
+                        help="the formulas' peak comparison (markdown; default: peak_comparison.md beside --out)")
     parser.add_argument("--exact", action="store_true", help="also run the simulator (slow)")
     parser.add_argument("--simulated", default=None,
                         help="the exact estimator's answers from this simulate-peaks table instead of --exact")
@@ -410,7 +444,7 @@ def add_cli(subparsers) -> None:
 
 def _validate_command(args) -> int:
     summary = run_validate(args.peaks, args.coefficients, args.configs, args.out, args.exact, args.summary,
-                           args.simulated)
+                           args.simulated, args.comparison)
     print(summary_markdown(summary), end="")
     print(f"validate: -> {args.out}")
     return 0

@@ -10,6 +10,7 @@ rule validate:
         validation=VALIDATION,
         summary=VALIDATION_SUMMARY,
         summary_json=VALIDATION_SUMMARY.replace(".md", ".json"),
+        comparison="results/peak_comparison.md",
     params:
         exact=lambda wildcards, input: f"--simulated {input.simulated}" if "simulated" in input.keys() else "",
     log:
@@ -21,4 +22,5 @@ rule validate:
     shell:
         "python -m pipeline validate --peaks {input.peaks:q} --coefficients {input.coefficients:q}"
         " --configs {input.configs:q} --out {output.validation:q} --summary {output.summary:q}"
+        " --comparison {output.comparison:q}"
         " {params.exact} > {log:q} 2>&1"

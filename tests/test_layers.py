@@ -13,15 +13,15 @@ LAYERS = {
     "plumbing": ("errors", "io", "paths", "provenance", "vocabulary", "arguments"),
     "inputs": ("registry", "configs", "modeling"),
     "measuring": ("step", "autocast", "activations", "memory", "sweep", "simulate"),
-    "knowledge": ("devices", "formulas", "features", "coefficients", "formula_fit", "formula_peak", "formula_regression",
-                  "fit"),
+    "knowledge": ("devices", "formulas", "features", "hook_features", "coefficients", "formula_fit", "formula_peak",
+                  "formula_regression", "fit"),
     "answers": ("estimate", "validate"),
     "outputs": ("figures", "dataset", "publish"),
     "entry": ("cli", "__main__", "__init__"),
 }
 RANK = {unit: rank for rank, units in enumerate(LAYERS.values()) for unit in units}
 # Knowledge is pure: a formula or a coefficient file is usable without torch or transformers.
-PURE = ("devices", "formulas", "features", "coefficients")
+PURE = ("devices", "formulas", "features", "hook_features", "coefficients")
 
 
 def module_name(path: Path) -> str:
