@@ -23,6 +23,8 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--out", default=PEAKS)
     parser.add_argument("--dry-run", action="store_true", help="print the plan and its estimated GPU time")
     parser.add_argument("--aggregate", action="store_true", help="only merge the parts into --out")
+    parser.add_argument("--include", nargs="+", default=[], metavar="TABLE",
+                        help="peak tables whose rows the merge takes too (e.g. the committed one)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="cpu: a real but peak-less debug run")
     parser.add_argument("--time-limit", type=positive_int, metavar="SECONDS",
@@ -66,7 +68,7 @@ def _sweep_command(args) -> int:
         return 0
     outcomes = run_sweep(jobs, args.parts, device, args.time_limit, args.child_timeout or plan.child_timeout_seconds,
                          args.gpus, args.start_method, plan.allow_tf32, args.retry_errors, plan.estimate)
-    frame = aggregate(args.parts, args.out)
+    frame = aggregate(args.parts, args.out, args.include)
     event(args.parts, "aggregated", rows=0 if frame is None else len(frame))
     left = outcomes["not started"] + outcomes["stopped"]
     print(f"sweep: {outcomes['finished']} processes finished, {outcomes['error']} failed, "
@@ -78,7 +80,7 @@ def _sweep_command(args) -> int:
 def _aggregate_command(args) -> int:
     from pipeline.sweep.parts import aggregate
 
-    frame = aggregate(args.parts, args.out)
+    frame = aggregate(args.parts, args.out, args.include)
     if frame is None:
         print(f"sweep: no part files in {args.parts}; nothing aggregated")
     else:
