@@ -14,7 +14,7 @@ from pipeline.memory import COLUMN_DTYPES, COLUMNS
 from pipeline.paths import PEAKS
 from pipeline.step import Setting
 from pipeline.sweep.jobs import Job, Point
-from pipeline.vocabulary import POINT_KEY
+from pipeline.vocabulary import OPTIM_OF_LOOP_OPTIMIZER, POINT_KEY
 
 EVENTS_FILE = "_events.jsonl"
 
@@ -94,6 +94,17 @@ def with_client_columns(row: dict) -> dict:
     setting = Setting.from_row(row)
     return {**row, "client": setting.client, "optim": setting.optim,
             "gradient_accumulation": setting.gradient_accumulation}
+
+
+def with_client_columns_frame(frame):
+    """A peak table (pandas) read as `with_client_columns` reads a row: missing client columns are the loop's."""
+    if "client" in frame.columns:
+        return frame
+    frame = frame.copy()
+    frame["client"] = "loop"
+    frame["optim"] = frame["optimizer"].map(OPTIM_OF_LOOP_OPTIMIZER)
+    frame["gradient_accumulation"] = 1
+    return frame
 
 
 def row_key(row: dict) -> tuple:
