@@ -242,7 +242,8 @@ class HeuristicEstimator(ClosedFormEstimator):
         constants = c["estimator"]
         x = target.active if c.get("x") == "active_parameters" else target.parameters
         elements = c["a"] * x + c["b"]
-        multiplier = constants["activation_multiplier"][run.precision]["value"]
+        multipliers = constants["activation_multiplier"]  # a file fitted before amp-fp16: amp-bf16's for it
+        multiplier = multipliers.get(run.precision, multipliers["amp-bf16"])["value"]
         factor = 1.0
         if run.checkpointing:
             factor = constants["checkpointing_factor"]["value"]

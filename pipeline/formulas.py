@@ -25,7 +25,7 @@ BLOG_SLOPE = 4.6894e-4
 BLOG_INTERCEPT = 1.8494e6
 BLOG_A_BYTES_PER_ELEMENT = 4
 # The blog has one P per run; for amp-bf16 we take the fp32 bytes of its weights, grads and state.
-BLOG_P = {"fp32": 4, "bf16": 2, "amp-bf16": 4}
+BLOG_P = {"fp32": 4, "bf16": 2, "amp-bf16": 4, "amp-fp16": 4}
 # The blog's calculator divides activations by this under gradient checkpointing (project brief;
 # the calculator's code is not part of the published text).
 BLOG_CHECKPOINTING_DIVISOR = 5
@@ -51,7 +51,7 @@ STATE_BUFFERS = {"adamw": 2, "sgd": 1}  # AdamW: two moments; SGD with momentum:
 INTERMEDIATE_BUFFERS = {"adamw": 1, "sgd": 0}
 # Under autocast every fp32 weight is cast to a bf16 copy that autograd keeps until backward: it
 # lives beside the activations (the saved-for-backward counts of amp-bf16 show it as ~2N bytes).
-AMP_WEIGHT_COPY_BYTES = {"amp-bf16": 2}
+AMP_WEIGHT_COPY_BYTES = {"amp-bf16": 2, "amp-fp16": 2}
 
 PEAK_FORMULAS = {
     "blog": "parameters + optimizer_state + max(gradients + optimizer_intermediates, activations)",

@@ -1,8 +1,8 @@
-"""Stage: real peak memory of the standard training step (CUDA), one point at a time.
+"""Stage: real peak memory of a training step (CUDA), one point at a time.
 
-`measure_point` runs the standard training step of `pipeline.step` (or the blog's loop,
-`variant="blog"`) on an already built model: a fresh optimizer, three steps, peaks per phase (a
-`PhaseTracker`). `pipeline.sweep` runs it over a grid, one process per (model, precision,
+`measure_point` runs the setting's client (pipeline.clients: the standard training step of
+`pipeline.step` or the blog's loop, `variant="blog"`; or transformers.Trainer) on an already built
+model: a fresh optimizer, three steps, peaks per phase (a `PhaseTracker`). `pipeline.sweep` runs it over a grid, one process per (model, precision,
 attention); `python -m pipeline measure` runs one point.
 
 Reusing one built model across points is allowed because every point starts from the same state:
@@ -28,15 +28,17 @@ from pathlib import Path
 from pipeline.errors import UserError
 from pipeline.modeling import _first_int, attn_used, build, context_length, count_parameters, text_config
 from pipeline.paths import CONFIGS
-from pipeline.step import (STEPS, Setting, autocast, make_optimizer, set_training_mode, token_ids, training_loss,
-                           zero_grad)
-from pipeline.vocabulary import ATTENTIONS, OPTIMIZERS, PRECISIONS, VARIANTS, check_choice
+from pipeline.clients import client_module
+from pipeline.clients.tracking import PhaseTracker, optimizer_state_bytes, storage_bytes  # noqa: F401 - re-exported
+from pipeline.step import TRAINER_DEFAULT_OPTIM, Setting
+from pipeline.vocabulary import ATTENTIONS, CLIENTS, OPTIMIZERS, OPTIMS, PRECISIONS, VARIANTS, check_choice
 
 # Column -> pandas dtype of results/peak_memory.parquet (the contract columns of docs/architecture.md first).
 COLUMN_DTYPES = {
     "model_id": "string", "model_type": "string", "family": "string", "parameters": "Int64",
     "precision": "string", "optimizer": "string", "gradient_checkpointing": "boolean",
-    "attn_implementation": "string", "variant": "string", "batch_size": "Int64", "seq_len": "Int64",
+    "attn_implementation": "string", "variant": "string", "client": "string", "optim": "string",
+    "gradient_accumulation": "Int64", "batch_size": "Int64", "seq_len": "Int64",
     "status": "string", "reason": "string",
     "peak_allocated_bytes": "Int64", "peak_reserved_bytes": "Int64", "weights_bytes": "Int64",
     "optimizer_state_bytes": "Int64", "forward_peak_bytes": "Int64", "backward_peak_bytes": "Int64",
@@ -144,17 +146,6 @@ def model_record(model_id: str | None, config_path: str | None, configs_path=CON
 
 # --- one point ------------------------------------------------------------------------------------
 
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors`."""
-    seen, total = set(), 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
-
-
 def weights_bytes(model, device: str) -> int:
     """Allocated bytes right after the build (CUDA), or the bytes of parameters and buffers (CPU)."""
     import torch
@@ -164,81 +155,10 @@ def weights_bytes(model, device: str) -> int:
     return storage_bytes(list(model.parameters()) + list(model.buffers()))
 
 
-def optimizer_state_bytes(optimizer, device: str) -> int:
-    """Bytes of optimizer state tensors on the measured device (AdamW's `step` counters stay on the CPU)."""
-    import torch
-
-    tensors = [value for state in optimizer.state.values() for value in state.values()
-               if torch.is_tensor(value) and value.device.type == device]
-    return storage_bytes(tensors)
-
-
-class PhaseTracker:
-    """Peak allocated bytes per phase (forward, backward, optimizer), maximised over the steps.
-
-        with tracker.phase("forward"):
-            loss = ...
-
-    The CUDA peak counter is reset when a phase starts and read when it ends, so the max over
-    phases is the peak over the steps. A phase that raises is not recorded and stays `current`
-    (the failure's place). On other devices nothing is tracked and all peaks are None.
-    """
-
-    def __init__(self, device: str):
-        self.cuda = device == "cuda"
-        self.peaks: dict[str, int] = {}
-        self.reserved = None
-        self.current = None
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        import torch
-
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        self.current = name
-        yield
-        if self.cuda:
-            self.peaks[name] = max(self.peaks.get(name, 0), torch.cuda.max_memory_allocated())
-            self.reserved = max(self.reserved or 0, torch.cuda.max_memory_reserved())
-        self.current = None
-
-    def columns(self) -> dict:
-        peak = max(self.peaks.values()) if self.peaks else None
-        return {"peak_allocated_bytes": peak, "peak_reserved_bytes": self.reserved,
-                "forward_peak_bytes": self.peaks.get("forward"),
-                "backward_peak_bytes": self.peaks.get("backward"),
-                "optimizer_peak_bytes": self.peaks.get("optimizer")}
-
-
 def mode_columns(setting: Setting, blog_use_cache: bool) -> dict:
     """The blog built its model with from_pretrained, which leaves it in eval mode with the config's
     use_cache; the standard step trains in train mode with use_cache=False."""
     return {"train_mode": not setting.blog, "use_cache": blog_use_cache if setting.blog else False}
-
-
-def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, device: str,
-              tracker: PhaseTracker, use_cache: bool, steps: int = STEPS):
-    """The standard step (pipeline.step), `steps` times; returns (seconds per step, optimizer-state bytes)."""
-    import torch
-
-    optimizer = make_optimizer(model.parameters(), setting)
-    seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        with tracker.phase("forward"):
-            ids = token_ids(model, batch, seq, setting, device)
-            with autocast(precision, device):
-                loss = training_loss(model, ids, setting, use_cache)
-        with tracker.phase("backward"):
-            loss.backward()
-        with tracker.phase("optimizer"):
-            optimizer.step()
-            zero_grad(optimizer, setting)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds, optimizer_state_bytes(optimizer, device)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -257,20 +177,25 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
 
 def measure_point(model, setting: Setting, precision: str, batch: int, seq: int, device: str = "cuda",
                   blog_use_cache: bool = True) -> dict:
-    """One grid point: the columns that the measurement fills (status ok, oom or error).
+    """One grid point: the columns that the measurement fills (status ok, oom or error; skipped
+    when the client cannot run the setting here, e.g. a missing optional package).
 
     Never raises for a failing step: out of memory is a result, any other exception an error row.
     """
     import torch
 
     tracker = PhaseTracker(device)
+    client = client_module(setting.client)
     columns = {"status": "ok", "reason": None, "started_at": time.time(),
                "allocated_before_bytes": torch.cuda.memory_allocated() if device == "cuda" else None}
+    unavailable = client.unavailable(setting, device)
+    if unavailable:
+        columns.update(status="skipped", reason=unavailable, finished_at=time.time())
+        return columns
     try:
-        set_training_mode(model, setting)
         columns.update(mode_columns(setting, blog_use_cache))
-        seconds, state_bytes = run_steps(model, setting, precision, batch, seq, device, tracker,
-                                         columns["use_cache"])
+        seconds, state_bytes = client.run_steps(model, setting, precision, batch, seq, device, tracker,
+                                                columns["use_cache"])
     except Exception as exc:  # noqa: BLE001 - a failing point is recorded, the sweep goes on
         oom = is_out_of_memory(exc)
         where = f" in {tracker.current}" if tracker.current else ""
@@ -279,9 +204,10 @@ def measure_point(model, setting: Setting, precision: str, batch: int, seq: int,
         seconds, state_bytes = None, None
     if columns["status"] == "ok":
         median = sorted(seconds)[len(seconds) // 2]
+        tokens = batch * seq * setting.gradient_accumulation  # per optimizer step
         columns.update(tracker.columns(), optimizer_state_bytes=state_bytes, step_seconds=median,
                        steps=len(seconds), steps_seconds_total=sum(seconds),
-                       tokens_per_second=batch * seq / median if median > 0 else None)
+                       tokens_per_second=tokens / median if median > 0 else None)
         columns.update(nvml_columns(device))
     release(model, device, columns["status"] != "ok", columns["allocated_before_bytes"])
     columns["finished_at"] = time.time()
@@ -399,7 +325,7 @@ def measure(record: ModelRecord, batch: int, seq: int, precision: str = "fp32", 
     parameters = count_parameters(model)
     row.update(build_seconds=time.perf_counter() - start, weights_bytes=weights_bytes(model, device),
                parameters=parameters, attn_implementation_used=attn_used(model),
-               step_flops=6.0 * parameters * batch * seq)
+               step_flops=6.0 * parameters * batch * seq * setting.gradient_accumulation)
     row.update(measure_point(model, setting, precision, batch, seq, device, record.use_cache))
     return finish_row(row)
 
@@ -408,7 +334,8 @@ def base_columns(record: ModelRecord, precision: str, attn: str, setting: Settin
     row = dict.fromkeys(COLUMNS)
     row.update(model_id=record.model_id, model_type=record.model_type, family=record.family,
                parameters=record.parameters, precision=precision, attn_implementation=attn,
-               batch_size=batch, seq_len=seq, tokens=batch * seq, config_source=record.config_source,
+               batch_size=batch, seq_len=seq, tokens=batch * seq * setting.gradient_accumulation,
+               config_source=record.config_source,
                config_revision=record.config_revision, child_pid=os.getpid(), **asdict(setting))
     return row
 
@@ -432,7 +359,11 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--batch", type=positive_int, required=True)
     parser.add_argument("--seq", type=positive_int, required=True)
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    parser.add_argument("--client", choices=CLIENTS, default="loop")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="the loop's optimizer (default adamw)")
+    parser.add_argument("--optim", choices=OPTIMS, help=f"the trainer's, by transformers name (default {TRAINER_DEFAULT_OPTIM})")
+    parser.add_argument("--gradient-accumulation", type=positive_int, default=1, metavar="K",
+                        help="micro-batches per optimizer step (trainer)")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--attn", choices=ATTENTIONS, default="default")
     parser.add_argument("--variant", choices=VARIANTS, default="standard")
@@ -447,7 +378,8 @@ def _measure_command(args) -> int:
     if device is None:
         raise UserError("no CUDA device here; use --device cpu for a (peak-less) CPU debug run")
     record = model_record(args.model, args.config, args.configs)
-    setting = Setting(args.variant, args.optimizer, args.checkpointing)
+    setting = Setting(args.variant, args.optimizer, args.checkpointing, args.client, args.optim,
+                      args.gradient_accumulation)
     row = measure(record, args.batch, args.seq, args.precision, setting, args.attn, device, not args.no_tf32)
     if args.json:
         print(json.dumps(row, default=str))

@@ -7,6 +7,10 @@
 three times, ids uniform over the vocabulary, AdamW (or SGD with momentum) over all parameters.
 The blog's own loop (`variant="blog"`) is the second, named variant: eval mode, the config's
 use_cache, ids below 100, loss = mean(logits), zero_grad() without set_to_none.
+
+A `Setting` also names the client that runs the steps (`loop`: the step above; `trainer`:
+transformers.Trainer, see pipeline.clients), its optimizer by transformers name (`optim`) and the
+gradient accumulation (micro-batches per optimizer step, the trainer's only).
 """
 
 from __future__ import annotations
@@ -16,28 +20,71 @@ from dataclasses import dataclass
 
 from pipeline.errors import UserError
 from pipeline.modeling import vocabulary_size
-from pipeline.vocabulary import OPTIMIZERS, VARIANTS, check_choice
+from pipeline.vocabulary import (CLIENTS, OPTIM_OF_LOOP_OPTIMIZER, OPTIMIZERS, OPTIMS, VARIANTS, check_choice,
+                                 check_positive_int)
 
 STEPS = 3
 BLOG_ID_RANGE = 100  # the blog's ids: torch.randint(0, 100, (B, L))
 LEARNING_RATE = 1e-3  # AdamW's default; the value changes no memory
 
 
+TRAINER_DEFAULT_OPTIM = "adamw_torch_fused"  # TrainingArguments.optim's default (transformers 5.17)
+
+
 @dataclass(frozen=True)
 class Setting:
-    """What varies within one process: the loop, the optimizer and checkpointing."""
+    """What varies within one process: the client, the loop variant, the optimizer, checkpointing
+    and gradient accumulation.
+
+    `optimizer` is the loop's (adamw, sgd), `optim` the transformers name: for the loop it follows
+    from `optimizer` (None where no name is exact), for the trainer it is the choice (default
+    adamw_torch_fused) and `optimizer` is None.
+    """
 
     variant: str = "standard"
-    optimizer: str = "adamw"
+    optimizer: str | None = None  # the loop's default: adamw
     gradient_checkpointing: bool = False
+    client: str = "loop"
+    optim: str | None = None
+    gradient_accumulation: int = 1
+
+    def __post_init__(self):
+        if self.client == "loop":
+            optimizer = self.optimizer or "adamw"
+            object.__setattr__(self, "optimizer", optimizer)
+            if self.optim is None:
+                object.__setattr__(self, "optim", OPTIM_OF_LOOP_OPTIMIZER.get(optimizer))
+        elif self.client == "trainer" and self.optim is None:
+            object.__setattr__(self, "optim", TRAINER_DEFAULT_OPTIM)
+
+    @classmethod
+    def from_row(cls, row: dict) -> Setting:
+        """The setting of a peak-table row; rows written before the client columns are the loop's."""
+        client = row.get("client") or "loop"
+        return cls(row.get("variant") or "standard", row.get("optimizer"), bool(row.get("gradient_checkpointing")),
+                   client, row.get("optim") if client != "loop" else None, row.get("gradient_accumulation") or 1)
 
     def check(self) -> None:
+        check_choice("client", self.client, CLIENTS)
         check_choice("variant", self.variant, VARIANTS)
-        check_choice("optimizer", self.optimizer, OPTIMIZERS)
         if not isinstance(self.gradient_checkpointing, bool):
             raise UserError(f"gradient_checkpointing must be true or false, not {self.gradient_checkpointing!r}")
         if self.variant == "blog" and self.gradient_checkpointing:
             raise UserError("the blog variant runs in eval mode, where gradient checkpointing does nothing")
+        check_positive_int("gradient_accumulation", self.gradient_accumulation)
+        if self.client == "loop":
+            check_choice("optimizer", self.optimizer, OPTIMIZERS)
+            if self.optim != OPTIM_OF_LOOP_OPTIMIZER[self.optimizer]:
+                raise UserError(f"optim is the trainer client's; the loop takes optimizer ({', '.join(OPTIMIZERS)})")
+            if self.gradient_accumulation != 1:
+                raise UserError("gradient_accumulation other than 1 needs client trainer")
+        else:
+            if self.optimizer is not None:
+                raise UserError(f"optimizer is the loop client's; the {self.client} client takes optim "
+                                f"({', '.join(OPTIMS)})")
+            check_choice("optim", self.optim, OPTIMS)
+            if self.variant != "standard":
+                raise UserError(f"the {self.client} client runs the standard variant only")
 
     @property
     def blog(self) -> bool:
@@ -86,9 +133,18 @@ def zero_grad(optimizer, setting: Setting) -> None:
 
 
 def autocast(precision: str, device: str):
-    """amp-bf16: the forward and the loss under bf16 autocast (backward and optimizer outside)."""
+    """The amp modes: the forward and the loss under bf16 or fp16 autocast (backward and optimizer outside)."""
     import torch
 
     if precision == "amp-bf16":
         return torch.autocast(device, dtype=torch.bfloat16)
+    if precision == "amp-fp16":
+        return torch.autocast(device, dtype=torch.float16)
     return contextlib.nullcontext()
+
+
+def grad_scaler(precision: str, device: str):
+    """amp-fp16's gradient scaler (torch.amp.GradScaler, its defaults); None in the other modes."""
+    import torch
+
+    return torch.amp.GradScaler(device) if precision == "amp-fp16" else None

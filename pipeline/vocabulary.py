@@ -10,18 +10,25 @@ from __future__ import annotations
 from pipeline.errors import UserError
 
 # Precision modes of a training step: fp32 (weights, grads, optimizer state in fp32), bf16 (all
-# in bf16), amp-bf16 (fp32 weights and state, forward under bf16 autocast).
-PRECISIONS = ("fp32", "bf16", "amp-bf16")
+# in bf16), amp-bf16 (fp32 weights and state, forward under bf16 autocast), amp-fp16 (the same
+# under fp16 autocast, the loss scaled by a gradient scaler).
+PRECISIONS = ("fp32", "bf16", "amp-bf16", "amp-fp16")
 # activations.parquet spells a precision by its dtype (`dtype` column); this is the one bridge.
-DTYPE_OF_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "amp-bf16": "amp-bf16"}
+DTYPE_OF_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "amp-bf16": "amp-bf16", "amp-fp16": "amp-fp16"}
 PRECISION_OF_DTYPE = {dtype: precision for precision, dtype in DTYPE_OF_PRECISION.items()}
-# Element size of the activations of a precision (amp-bf16 computes in bf16).
-ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "amp-bf16": 2}
+# Element size of the activations of a precision (the amp modes compute in 16 bits).
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "amp-bf16": 2, "amp-fp16": 2}
 # Bytes per parameter of the weights, gradients and optimizer state.
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "amp-bf16": 4}
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "amp-bf16": 4, "amp-fp16": 4}
 
-OPTIMIZERS = ("adamw", "sgd")
-CLIENTS = ("loop",)  # loop: the standard training step (docs/definitions.md)
+OPTIMIZERS = ("adamw", "sgd")  # the loop client's: torch's AdamW (foreach), SGD with momentum 0.9
+# The trainer client's `optim`, by its transformers name (TrainingArguments.optim).
+OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adamw_bnb_8bit")
+# The loop's optimizer by its transformers name where one is exactly the same (transformers' "sgd"
+# has no momentum, the loop's has 0.9: no name).
+OPTIM_OF_LOOP_OPTIMIZER = {"adamw": "adamw_torch", "sgd": None}
+# loop: the standard training step; trainer: transformers.Trainer (docs/definitions.md)
+CLIENTS = ("loop", "trainer")
 VARIANTS = ("standard", "blog")  # blog: the blog's own loop, loss = mean(logits)
 ATTENTIONS = ("default", "eager")  # as requested; default: the library's choice (sdpa)
 STATUSES = ("ok", "oom", "skipped", "error")
@@ -29,7 +36,7 @@ METHODS = ("blog", "heuristic", "exact", "formula")  # estimators
 
 # A measured point of the peak table is one row per these columns.
 POINT_KEY = ("model_id", "precision", "variant", "optimizer", "gradient_checkpointing", "attn_implementation",
-             "batch_size", "seq_len")
+             "batch_size", "seq_len", "client", "optim", "gradient_accumulation")
 
 
 def check_choice(what: str, value, allowed) -> None:

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pipeline"
 LAYERS = {
     "plumbing": ("errors", "io", "paths", "provenance", "vocabulary", "arguments"),
     "inputs": ("registry", "configs", "modeling"),
-    "measuring": ("step", "autocast", "activations", "memory", "sweep", "simulate"),
+    "measuring": ("step", "autocast", "activations", "clients", "memory", "sweep", "simulate"),
     "knowledge": ("devices", "formulas", "features", "hook_features", "coefficients", "formula_fit", "formula_peak",
                   "formula_regression", "fit"),
     "answers": ("estimate", "validate"),

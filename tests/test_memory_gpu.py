@@ -4,7 +4,9 @@
     python3 tests/test_memory_gpu.py                      # without pytest (the GPU machine has none)
 
 Runs pythia-14m and SmolLM2-135M (configs from tests/data/models_small.yaml, no jsonschema needed)
-through the real fork machinery on CUDA, fp32 and bf16, a few points, plus checkpointing and SGD.
+through the real fork machinery on CUDA, fp32 and bf16, a few points, plus checkpointing and SGD;
+then SmolLM2-135M with transformers.Trainer (amp-bf16, its default fused AdamW; amp-fp16 with SGD)
+and the loop in amp-fp16.
 This process never initialises CUDA itself (the children do), so the fork stays safe.
 """
 
@@ -133,6 +135,62 @@ def test_checkpointing_and_sgd_lower_the_peak():
     for precision in SIZE:
         assert at[(precision, "adamw", True)] < at[(precision, "adamw", False)]
         assert at[(precision, "sgd", False)] < at[(precision, "adamw", False)]
+
+
+def trainer_sweep():
+    """SmolLM2-135M with the Trainer (amp-bf16, fused AdamW, two points; amp-fp16, SGD, K=2) and the
+    loop in amp-fp16, in their own processes: rows by (client, precision, B, L)."""
+    if "trainer_rows" not in _RESULT:
+        folder, _ = gpu_sweep()
+        plan = sweep.parse_plan({
+            "grid": {"batch_sizes": [2, 4], "seq_lens": [256]}, "precisions": ["amp-fp16"], "models": [SMOLLM],
+            "variants": [
+                {"name": "trainer", "client": "trainer", "precisions": ["amp-bf16"], "models": [SMOLLM]},
+                {"name": "trainer fp16", "client": "trainer", "optim": "sgd", "gradient_accumulation": 2,
+                 "precisions": ["amp-fp16"], "models": [SMOLLM], "points": [[4, 256]]}]})
+        records, missing = sweep.load_model_records(_RESULT["configs"], [SMOLLM])
+        assert not missing
+        parts = folder / "trainer_parts"
+        outcomes = sweep.run_sweep(sweep.plan_jobs(plan, records), parts, device="cuda", child_timeout=180)
+        assert outcomes["finished"] == 3, outcomes
+        frame = sweep.aggregate(parts, folder / "trainer_peak_memory.parquet")
+        _RESULT["trainer_rows"] = {(r["client"], r["precision"], r["optim"], r["batch_size"], r["seq_len"]): r
+                                   for r in frame.to_dict("records")}
+    return _RESULT["trainer_rows"]
+
+
+def test_trainer_points_have_plausible_peaks():
+    rows = trainer_sweep()
+    assert {r["status"] for r in rows.values()} == {"ok"}, [r["reason"] for r in rows.values()]
+    first, r = rows[("trainer", "amp-bf16", "adamw_torch_fused", 2, 256)], rows[("trainer", "amp-bf16",
+                                                                                 "adamw_torch_fused", 4, 256)]
+    n = r["parameters"]
+    import pandas as pd
+
+    assert r["gradient_accumulation"] == 1 and r["steps"] == 3 and pd.isna(r["optimizer"])
+    # fused AdamW: two fp32 moments plus a 4-byte step counter per parameter tensor, on the GPU
+    assert 0 < r["optimizer_state_bytes"] - 2 * 4 * n <= 4 * 1000, r
+    assert r["weights_bytes"] >= 4 * n
+    # at the optimizer step: fp32 weights, fp32 gradients and both moments are alive together
+    assert r["peak_allocated_bytes"] > r["weights_bytes"] + 4 * n + r["optimizer_state_bytes"]
+    assert r["peak_allocated_bytes"] > first["peak_allocated_bytes"]
+    phases = [r["forward_peak_bytes"], r["backward_peak_bytes"], r["optimizer_peak_bytes"]]
+    assert None not in phases and r["peak_allocated_bytes"] >= max(phases)
+    assert r["peak_reserved_bytes"] >= r["peak_allocated_bytes"]
+    # the Trainer's point left nothing behind for the next one (cuBLAS workspaces aside)
+    assert 0 <= r["allocated_before_bytes"] - r["weights_bytes"] <= 256 * 2**20, r
+
+
+def test_amp_fp16_in_the_loop_and_the_trainer():
+    rows = trainer_sweep()
+    loop = rows[("loop", "amp-fp16", "adamw_torch", 4, 256)]
+    assert loop["optimizer_state_bytes"] == 2 * loop["parameters"] * 4  # fp32 state (foreach: steps on the CPU)
+    assert loop["peak_allocated_bytes"] > loop["weights_bytes"] + loop["optimizer_state_bytes"]
+    sgd = rows[("trainer", "amp-fp16", "sgd", 4, 256)]
+    assert sgd["gradient_accumulation"] == 2 and sgd["tokens"] == 4 * 256 * 2
+    assert sgd["optimizer_state_bytes"] == 0  # transformers' "sgd" has no momentum
+    assert sgd["peak_allocated_bytes"] < rows[("trainer", "amp-bf16", "adamw_torch_fused", 4, 256)][
+        "peak_allocated_bytes"]
 
 
 def test_measure_command_on_the_gpu():

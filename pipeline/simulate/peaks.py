@@ -7,6 +7,7 @@ import functools
 from pipeline.paths import CONFIGS, PEAKS, SIMULATED
 from pipeline.errors import UserError
 from pipeline.simulate.predict import first_line, predict_peak
+from pipeline.sweep.parts import with_client_columns_frame
 from pipeline.vocabulary import POINT_KEY
 
 SIMULATED_COLUMNS = ("simulated_peak_bytes", "simulated_forward_peak_bytes", "simulated_backward_peak_bytes",
@@ -26,7 +27,7 @@ def simulate_peaks(peaks_path=PEAKS, configs_path=CONFIGS, out_path=SIMULATED, w
     from pipeline.io import write_parquet
     from pipeline.provenance import provenance
 
-    peaks = _read_table(peaks_path)
+    peaks = with_client_columns_frame(_read_table(peaks_path))  # a table from before the client columns
     configs = ok_config_records(configs_path)
     keys = list(POINT_KEY)
     missing = [k for k in keys + ["status"] if k not in peaks.columns]

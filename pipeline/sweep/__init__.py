@@ -1,8 +1,9 @@
 """Stage: the peak-memory sweep: plan (config/sweep.yaml), isolated child processes, resumable parts.
 
-Plan (`plan`): every (model, precision, attention) is one job (`jobs`), run in its own child process
-(`child`, a fresh CUDA context); its points are the plan's settings (standard step, checkpointing,
-SGD, blog loop) times the (B, L) grid, each L in increasing B. Points beyond the context length or
+Plan (`plan`): every (model, precision, attention, client) is one job (`jobs`), run in its own child
+process (`child`, a fresh CUDA context); its points are the plan's settings (standard step,
+checkpointing, SGD, blog loop; the Trainer's optim and gradient accumulation) times the (B, L)
+grid, each L in increasing B. Points beyond the context length or
 over the compute budget (6*N*B*L FLOPs per step) are `skipped`; once (B, L) runs out of memory,
 every point with B' >= B and L' >= L of the same setting is recorded `oom` without running. Jobs
 run smallest model first, so a sweep that is cut off still covers many models.

@@ -27,7 +27,8 @@ EXIT_SETUP_FAILED = 76  # a child that could not set up the device: the sweep st
 def point_row(job: Job, point: Point, base: dict, **columns) -> dict:
     row = base_columns(job.record, job.precision, job.attn, point.setting, point.batch_size, point.seq_len)
     row.update({k: v for k, v in base.items() if v is not None})
-    row["step_flops"] = step_flops(job.record.plan_parameters, point.batch_size, point.seq_len)
+    row["step_flops"] = step_flops(job.record.plan_parameters, point.batch_size, point.seq_len,
+                                   point.setting.gradient_accumulation)
     row.update(columns)
     return finish_row(row)
 

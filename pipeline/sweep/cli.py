@@ -6,6 +6,7 @@ the GPU machine does not depend on the other stages' imports.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from pipeline.paths import CONFIGS, PEAK_PARTS, PEAKS
@@ -22,7 +23,11 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--parts", default=PEAK_PARTS, help="folder of per-process row files (resumable)")
     parser.add_argument("--out", default=PEAKS)
     parser.add_argument("--dry-run", action="store_true", help="print the plan and its estimated GPU time")
+    parser.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
+                        help="the device memory the dry run's estimate assumes (default: the plan's gpu_memory_gib)")
     parser.add_argument("--aggregate", action="store_true", help="only merge the parts into --out")
+    parser.add_argument("--include", nargs="+", default=[], metavar="TABLE",
+                        help="peak tables whose rows the merge takes too (e.g. the committed one)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="cpu: a real but peak-less debug run")
     parser.add_argument("--time-limit", type=positive_int, metavar="SECONDS",
@@ -46,7 +51,7 @@ def _sweep_command(args) -> int:
     from pipeline.sweep.cost import plan_report
     from pipeline.sweep.jobs import plan_jobs
     from pipeline.sweep.parts import aggregate, event
-    from pipeline.sweep.plan import load_plan, override_plan
+    from pipeline.sweep.plan import GIB, load_plan, number, override_plan
     from pipeline.sweep.runner import run_sweep
 
     if args.aggregate:
@@ -61,12 +66,14 @@ def _sweep_command(args) -> int:
         print(f"sweep: warning: {model_id} has no usable config in {args.configs}; left out")
     jobs = plan_jobs(plan, records)
     if args.dry_run:
+        if args.gpu_memory_gib:
+            plan = replace(plan, gpu_memory_bytes=number(args.gpu_memory_gib, "--gpu-memory-gib") * GIB)
         lines, _ = plan_report(jobs, args.parts, plan, args.retry_errors)
         print("\n".join(lines))
         return 0
     outcomes = run_sweep(jobs, args.parts, device, args.time_limit, args.child_timeout or plan.child_timeout_seconds,
                          args.gpus, args.start_method, plan.allow_tf32, args.retry_errors, plan.estimate)
-    frame = aggregate(args.parts, args.out)
+    frame = aggregate(args.parts, args.out, args.include)
     event(args.parts, "aggregated", rows=0 if frame is None else len(frame))
     left = outcomes["not started"] + outcomes["stopped"]
     print(f"sweep: {outcomes['finished']} processes finished, {outcomes['error']} failed, "
@@ -78,7 +85,7 @@ def _sweep_command(args) -> int:
 def _aggregate_command(args) -> int:
     from pipeline.sweep.parts import aggregate
 
-    frame = aggregate(args.parts, args.out)
+    frame = aggregate(args.parts, args.out, args.include)
     if frame is None:
         print(f"sweep: no part files in {args.parts}; nothing aggregated")
     else:

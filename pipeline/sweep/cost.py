@@ -12,19 +12,29 @@ from pipeline.sweep.plan import Estimate, Plan
 
 
 def point_seconds(record: ModelRecord, point: Point, precision: str, estimate: Estimate) -> float:
-    """Estimated seconds of one measured point: three steps (compute- or launch-bound) + overhead."""
-    tokens = point.batch_size * point.seq_len
-    flops = step_flops(record.plan_parameters, point.batch_size, point.seq_len)
+    """Estimated seconds of one measured point: three optimizer steps of K micro-batches (compute-
+    or launch-bound) + overhead (the trainer's own on top)."""
+    setting = point.setting
+    tokens = point.batch_size * point.seq_len * setting.gradient_accumulation
+    flops = step_flops(record.plan_parameters, point.batch_size, point.seq_len, setting.gradient_accumulation)
     flops += 12.0 * record.layers * record.hidden * point.seq_len * tokens  # attention scores
-    if point.setting.gradient_checkpointing:
+    if setting.gradient_checkpointing:
         flops *= 4 / 3  # the forward runs twice
     compute = flops / estimate.flops_per_second[precision]
-    floor = estimate.step_floor_seconds + estimate.layer_step_seconds * record.layers
-    return STEPS * max(compute, floor) + estimate.point_overhead_seconds
+    floor = (estimate.step_floor_seconds + estimate.layer_step_seconds * record.layers) * setting.gradient_accumulation
+    overhead = estimate.point_overhead_seconds
+    if setting.client == "trainer":
+        overhead += estimate.trainer_point_overhead_seconds
+    return STEPS * max(compute, floor) + overhead
 
 
 def build_seconds(record: ModelRecord, estimate: Estimate) -> float:
     return estimate.build_seconds_per_billion * record.plan_parameters / 1e9
+
+
+# Optimizer state in bytes per weight byte (rough, for the time estimate): moments, momentum, none.
+STATE_PER_WEIGHT_BYTE = {"adamw_torch_fused": 2, "adamw_torch": 2, "adafactor": 0.05, "sgd": 0,
+                         "adamw_bnb_8bit": 0.5}
 
 
 def predicted_peak_bytes(record: ModelRecord, point: Point, precision: str) -> float:
@@ -32,8 +42,12 @@ def predicted_peak_bytes(record: ModelRecord, point: Point, precision: str) -> f
     n, tokens = record.plan_parameters, point.batch_size * point.seq_len
     weight = 2 if precision == "bf16" else 4
     activation = 4 if precision == "fp32" else 2
-    state = 1 if point.setting.optimizer == "sgd" else 2
-    static = n * weight * (3 + state) + (2 * n if precision == "amp-bf16" else 0)
+    setting = point.setting
+    if setting.client == "loop":
+        state = 1 if setting.optimizer == "sgd" else 2
+    else:
+        state = STATE_PER_WEIGHT_BYTE[setting.optim]
+    static = n * weight * (3 + state) + (2 * n if precision.startswith("amp") else 0)
     per_layer = 2 * activation if point.setting.gradient_checkpointing else 34 * activation
     per_token = record.layers * record.hidden * per_layer + record.vocab * (activation + 8)
     return static + tokens * per_token

@@ -1,7 +1,10 @@
-"""The sweep's jobs: one child process per (model, precision, attention), its points in running order.
+"""The sweep's jobs: one child process per (model, precision, attention, client), its points in
+running order.
 
-Points beyond the context length or over the compute budget (6*N*B*L FLOPs per step) are planned
-with a skip reason. Jobs run one pass per precision, smallest model first within a pass.
+Points beyond the context length or over the compute budget (6*N*B*L*K FLOPs per optimizer step,
+K micro-batches) are planned with a skip reason. Jobs run one pass per precision, smallest model
+first within a pass. Each client has its own processes: the Trainer leaves process-wide state
+(accelerate's) that the loop's rows must not meet.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass, field
 from pipeline.memory import ModelRecord
 from pipeline.step import Setting
 from pipeline.sweep.plan import Group, Plan
+from pipeline.vocabulary import CLIENTS
 
 
 @dataclass(frozen=True)
@@ -25,12 +29,13 @@ class Point:
 
 @dataclass
 class Job:
-    """One child process: one model in one precision with one attention implementation."""
+    """One child process: one model in one precision with one attention implementation and client."""
 
     record: ModelRecord
     precision: str
     attn: str
     points: list[Point] = field(default_factory=list)
+    client: str = "loop"
 
     @property
     def model_id(self) -> str:
@@ -40,18 +45,19 @@ class Job:
     def name(self) -> str:
         from pipeline.registry import safe_name
 
-        return f"{safe_name(self.model_id)}__{self.precision}__{self.attn}"
+        name = f"{safe_name(self.model_id)}__{self.precision}__{self.attn}"
+        return name if self.client == "loop" else f"{name}__{self.client}"  # the loop's names predate clients
 
     def key(self, point: Point) -> tuple:
         """The point's key in the peak table (vocabulary.POINT_KEY's columns, in that order)."""
         s = point.setting
         return (self.model_id, self.precision, s.variant, s.optimizer, s.gradient_checkpointing, self.attn,
-                point.batch_size, point.seq_len)
+                point.batch_size, point.seq_len, s.client, s.optim, s.gradient_accumulation)
 
 
-def step_flops(parameters: int, batch: int, seq: int) -> float:
-    """The compute budget's measure of a step: 6 * N * B * L."""
-    return 6.0 * parameters * batch * seq
+def step_flops(parameters: int, batch: int, seq: int, accumulation: int = 1) -> float:
+    """The compute budget's measure of an optimizer step: 6 * N * B * L * K."""
+    return 6.0 * parameters * batch * seq * accumulation
 
 
 def group_points(group: Group, record: ModelRecord) -> list[Point]:
@@ -62,27 +68,30 @@ def group_points(group: Group, record: ModelRecord) -> list[Point]:
     points = []
     for batch, seq in pairs:
         reason = None
-        flops = step_flops(record.plan_parameters, batch, seq)
+        flops = step_flops(record.plan_parameters, batch, seq, group.setting.gradient_accumulation)
         if record.context is not None and seq > record.context:
             reason = f"seq_len {seq} beyond the context length {record.context}"
         elif flops > group.max_step_flops:
-            reason = f"over compute budget: 6*N*B*L = {flops:.3g} FLOPs > max_step_flops {group.max_step_flops:.3g}"
+            product = "6*N*B*L" if group.setting.gradient_accumulation == 1 else "6*N*B*L*K"
+            reason = f"over compute budget: {product} = {flops:.3g} FLOPs > max_step_flops {group.max_step_flops:.3g}"
         points.append(Point(group.setting, batch, seq, reason))
     return points
 
 
 def plan_jobs(plan: Plan, records: dict[str, ModelRecord]) -> list[Job]:
     """The jobs of a plan in running order: one pass per precision (the plan's `precisions` order),
-    smallest model first within a pass. A job runs its standard setting first and gradient
-    checkpointing last (switched on once), each L in increasing B. A point that two groups plan
-    is run if either group runs it."""
+    smallest model first within a pass (the loop's process before the trainer's). A job runs its
+    standard setting first and gradient checkpointing last (switched on once), each L in
+    increasing B. A point that two groups plan is run if either group runs it."""
     jobs: dict[tuple, Job] = {}
     for group in plan.groups:
+        client = group.setting.client
         for model_id in group.models:
             if model_id not in records:
                 continue
             for precision in group.precisions:
-                job = jobs.setdefault((model_id, precision, group.attn), Job(records[model_id], precision, group.attn))
+                job = jobs.setdefault((model_id, precision, group.attn, client),
+                                      Job(records[model_id], precision, group.attn, client=client))
                 _merge_points(job, group_points(group, records[model_id]))
     for job in jobs.values():
         rank = {}
@@ -91,7 +100,7 @@ def plan_jobs(plan: Plan, records: dict[str, ModelRecord]) -> list[Job]:
         job.points.sort(key=lambda p: (rank[p.setting], p.seq_len, p.batch_size))
     passes = list(dict.fromkeys(p for group in plan.groups for p in group.precisions))
     return sorted(jobs.values(), key=lambda j: (passes.index(j.precision), j.record.plan_parameters, j.model_id,
-                                                j.attn != "default"))
+                                                j.attn != "default", CLIENTS.index(j.client)))
 
 
 def _merge_points(job: Job, points: list[Point]) -> None:

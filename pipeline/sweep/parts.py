@@ -9,11 +9,12 @@ import os
 import time
 from pathlib import Path
 
+from pipeline.errors import UserError
 from pipeline.memory import COLUMN_DTYPES, COLUMNS
 from pipeline.paths import PEAKS
 from pipeline.step import Setting
 from pipeline.sweep.jobs import Job, Point
-from pipeline.vocabulary import POINT_KEY
+from pipeline.vocabulary import OPTIM_OF_LOOP_OPTIMIZER, POINT_KEY
 
 EVENTS_FILE = "_events.jsonl"
 
@@ -85,7 +86,29 @@ def last_progress(part, started: float) -> float:
 
 # --- resume rules ----------------------------------------------------------------------------------
 
+def with_client_columns(row: dict) -> dict:
+    """A row written before the client columns existed is the loop's: client loop, optim as the loop's
+    optimizer's transformers name, no gradient accumulation."""
+    if row.get("client") is not None:
+        return row
+    setting = Setting.from_row(row)
+    return {**row, "client": setting.client, "optim": setting.optim,
+            "gradient_accumulation": setting.gradient_accumulation}
+
+
+def with_client_columns_frame(frame):
+    """A peak table (pandas) read as `with_client_columns` reads a row: missing client columns are the loop's."""
+    if "client" in frame.columns:
+        return frame
+    frame = frame.copy()
+    frame["client"] = "loop"
+    frame["optim"] = frame["optimizer"].map(OPTIM_OF_LOOP_OPTIMIZER)
+    frame["gradient_accumulation"] = 1
+    return frame
+
+
 def row_key(row: dict) -> tuple:
+    row = with_client_columns(row)
     return tuple(row.get(column) for column in POINT_KEY)
 
 
@@ -103,8 +126,7 @@ def oom_points(rows: list[dict]) -> dict:
     ooms: dict[Setting, list] = {}
     for row in rows:
         if row.get("status") == "oom":
-            setting = Setting(row["variant"], row["optimizer"], row["gradient_checkpointing"])
-            ooms.setdefault(setting, []).append((row["batch_size"], row["seq_len"]))
+            ooms.setdefault(Setting.from_row(row), []).append((row["batch_size"], row["seq_len"]))
     return ooms
 
 
@@ -117,23 +139,39 @@ def prune_reason(ooms: list, batch: int, seq: int) -> str | None:
 
 # --- the merged table ------------------------------------------------------------------------------
 
-def aggregate(parts_dir, out=PEAKS):
-    """Merge the parts into one table: one row per key (a measured row wins over a skipped one,
-    then the latest), typed columns, atomic write. Returns the frame (None when there are no parts)."""
+def aggregate(parts_dir, out=PEAKS, include=()):
+    """Merge the parts (and the rows of the peak tables `include`) into one table: one row per key
+    (a measured row wins over a skipped one, then the latest), typed columns, atomic write. Rows
+    from before the client columns get the loop's (`with_client_columns`), so a table merged again
+    only gains those columns. Returns the frame (None when there are no rows)."""
     import pandas as pd
 
     from pipeline.io import write_parquet
 
     rows = [row for path in sorted(Path(parts_dir).glob("*__*.jsonl")) for row in read_rows(path)]
+    rows += [row for table in include for row in table_rows(table)]
     if not rows:
         return None
-    frame = pd.DataFrame([{c: row.get(c) for c in COLUMNS} for row in rows], columns=list(COLUMNS))
+    frame = pd.DataFrame([{c: row.get(c) for c in COLUMNS} for row in map(with_client_columns, rows)],
+                         columns=list(COLUMNS))
     frame["_measured"] = frame["status"] != "skipped"
     frame = frame.sort_values(["_measured", "finished_at"], kind="stable")
     frame = frame.drop_duplicates(list(POINT_KEY), keep="last").drop(columns="_measured")
     frame = frame.astype(COLUMN_DTYPES)
     frame = frame.sort_values(["parameters", "model_id", "precision", "variant", "optimizer",
-                               "gradient_checkpointing", "attn_implementation", "seq_len", "batch_size"],
+                               "gradient_checkpointing", "attn_implementation", "client", "optim",
+                               "gradient_accumulation", "seq_len", "batch_size"],
                               kind="stable").reset_index(drop=True)
     write_parquet(frame, out)
     return frame
+
+
+def table_rows(path) -> list[dict]:
+    """The rows of a peak table (parquet) as plain values, missing ones None."""
+    import pandas as pd
+
+    try:
+        frame = pd.read_parquet(path)
+    except FileNotFoundError:
+        raise UserError(f"{path}: peak table not found") from None
+    return frame.astype(object).where(frame.notna(), None).to_dict("records")

@@ -18,8 +18,8 @@ from pipeline.vocabulary import ATTENTIONS, PRECISIONS, check_choice
 GIB = 2**30
 PLAN_KEYS = {"grid", "max_step_flops", "allow_tf32", "child_timeout_seconds", "gpu_memory_gib", "estimate",
              "models", "precisions", "variants"}
-GROUP_KEYS = {"name", "models", "precisions", "variant", "optimizer", "gradient_checkpointing",
-              "attn_implementation", "grid", "points", "max_step_flops"}
+GROUP_KEYS = {"name", "models", "precisions", "client", "variant", "optimizer", "optim", "gradient_checkpointing",
+              "gradient_accumulation", "attn_implementation", "grid", "points", "max_step_flops"}
 
 
 @contextlib.contextmanager
@@ -88,24 +88,32 @@ class Grid:
             return cls(data["batch_sizes"], data["seq_lens"])
 
 
+DEFAULT_FLOPS_PER_SECOND = {"fp32": 1.0e14, "bf16": 2.0e14, "amp-bf16": 1.5e14, "amp-fp16": 1.5e14}
+
+
 @dataclass(frozen=True)
 class Estimate:
     """Settings of the GPU-time estimate. The defaults are conservative guesses for one H200 (fp32
     with TF32 matmuls); calibrate them with benchmarks/sweep_efficiency.py on a smoke run."""
 
-    flops_per_second: dict = field(default_factory=lambda: {"fp32": 1.0e14, "bf16": 2.0e14, "amp-bf16": 1.5e14})
+    flops_per_second: dict = field(default_factory=lambda: dict(DEFAULT_FLOPS_PER_SECOND))
     step_floor_seconds: float = 0.01  # a step of a tiny model (launch-bound)
     layer_step_seconds: float = 0.0015  # launch-bound cost per layer per step (forward + backward + optimizer)
     point_overhead_seconds: float = 0.08  # empty_cache, allocation, synchronisation, row write
+    # the trainer client's extra per point: TrainingArguments, Trainer, accelerate's prepare, the
+    # data loader, the collection of the Trainer's reference cycles
+    trainer_point_overhead_seconds: float = 1.0
     process_overhead_seconds: float = 2.0  # fork, CUDA context, first kernels
     build_seconds_per_billion: float = 0.5  # building random weights on the GPU
 
     def __post_init__(self):
         rates = self.flops_per_second
-        if not isinstance(rates, dict) or set(rates) != set(PRECISIONS):
-            raise UserError(f"flops_per_second: needs one rate per precision ({', '.join(PRECISIONS)})")
+        if not isinstance(rates, dict) or not set(rates) <= set(PRECISIONS):
+            raise UserError(f"flops_per_second: needs a rate per precision ({', '.join(PRECISIONS)}; "
+                            f"one left out takes its default)")
+        rates = {**DEFAULT_FLOPS_PER_SECOND, **rates}
         object.__setattr__(self, "flops_per_second",
-                           {p: number(v, f"flops_per_second.{p}") for p, v in rates.items()})
+                           {p: number(rates[p], f"flops_per_second.{p}") for p in PRECISIONS})
         for item in fields(self)[1:]:
             object.__setattr__(self, item.name, number(getattr(self, item.name), item.name, minimum=-1e-12))
 
@@ -162,8 +170,9 @@ def _group(item, label: str, grid: Grid, plan_precisions, budget: float) -> Grou
     with located(f"{label}: "):
         return Group(item.get("name", f"variant {label}"), item.get("models", []),
                      precision_list(item.get("precisions", plan_precisions), "precisions"),
-                     Setting(item.get("variant", "standard"), item.get("optimizer", "adamw"),
-                             item.get("gradient_checkpointing", False)),
+                     Setting(item.get("variant", "standard"), item.get("optimizer"),
+                             item.get("gradient_checkpointing", False), item.get("client", "loop"),
+                             item.get("optim"), item.get("gradient_accumulation", 1)),
                      item.get("attn_implementation", "default"), own_grid, item.get("points"),
                      item.get("max_step_flops", budget), "max_step_flops" in item)
 

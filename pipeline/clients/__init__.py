@@ -1,0 +1,21 @@
+"""The clients that run a measured point's training steps on an already built model: `loop` (the
+standard step of pipeline.step) and `trainer` (transformers.Trainer). One module per client, each
+with
+
+    unavailable(setting, device) -> str | None   why the point cannot run here (a skipped row), or None
+    run_steps(model, setting, precision, batch, seq, device, tracker, use_cache) -> (seconds, state bytes)
+
+`run_steps` leaves the model as it found it (weights only, no hooks, no wrappers), so that the
+next point of the process starts from the same state. A new client is a module and an entry here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+CLIENT_MODULES = {"loop": "pipeline.clients.loop", "trainer": "pipeline.clients.trainer"}
+
+
+def client_module(name: str):
+    """The module of client `name` (imported on first use: the trainer's imports are heavy)."""
+    return importlib.import_module(CLIENT_MODULES[name])

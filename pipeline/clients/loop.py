@@ -1,0 +1,44 @@
+"""client = loop: the standard training step of pipeline.step, three times (amp-fp16 through a
+gradient scaler: scaler.scale(loss).backward(); scaler.step(opt); scaler.update())."""
+
+from __future__ import annotations
+
+import time
+
+from pipeline.clients.tracking import PhaseTracker, optimizer_state_bytes
+from pipeline.step import (STEPS, Setting, autocast, grad_scaler, make_optimizer, set_training_mode, token_ids,
+                           training_loss, zero_grad)
+
+
+def unavailable(setting: Setting, device: str) -> str | None:
+    return None
+
+
+def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, device: str,
+              tracker: PhaseTracker, use_cache: bool, steps: int = STEPS):
+    """The standard step, `steps` times; returns (seconds per step, optimizer-state bytes)."""
+    import torch
+
+    set_training_mode(model, setting)
+    optimizer = make_optimizer(model.parameters(), setting)
+    scaler = grad_scaler(precision, device)
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        with tracker.phase("forward"):
+            ids = token_ids(model, batch, seq, setting, device)
+            with autocast(precision, device):
+                loss = training_loss(model, ids, setting, use_cache)
+        with tracker.phase("backward"):
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        with tracker.phase("optimizer"):
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+            zero_grad(optimizer, setting)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds, optimizer_state_bytes(optimizer, device)

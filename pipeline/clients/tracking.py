@@ -1,0 +1,76 @@
+"""What a client measures while it runs: peak allocated bytes per phase, and storage sizes."""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def optimizer_state_bytes(optimizer, device: str) -> int:
+    """Bytes of optimizer state tensors on the measured device (AdamW's `step` counters stay on the
+    CPU unless the optimizer is fused)."""
+    import torch
+
+    tensors = [value for state in optimizer.state.values() for value in state.values()
+               if torch.is_tensor(value) and value.device.type == device]
+    return storage_bytes(tensors)
+
+
+class PhaseTracker:
+    """Peak allocated bytes per phase (forward, backward, optimizer), maximised over the steps.
+
+        with tracker.phase("forward"):
+            loss = ...
+
+    or, where the phases are only seen as events (hooks, callbacks), `start(name)` ends the current
+    phase and starts the next, `stop()` ends the last. The CUDA peak counter is reset when a phase
+    starts and read when it ends, so the max over phases is the peak over the steps. A phase that
+    raises is not recorded and stays `current` (the failure's place). On other devices nothing is
+    tracked and all peaks are None.
+    """
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        self.peaks: dict[str, int] = {}
+        self.reserved = None
+        self.current = None
+
+    def start(self, name: str) -> None:
+        import torch
+
+        if self.current is not None:
+            self.stop()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self.current = name
+
+    def stop(self) -> None:
+        import torch
+
+        if self.cuda:
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0), torch.cuda.max_memory_allocated())
+            self.reserved = max(self.reserved or 0, torch.cuda.max_memory_reserved())
+        self.current = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.start(name)
+        yield
+        self.stop()
+
+    def columns(self) -> dict:
+        peak = max(self.peaks.values()) if self.peaks else None
+        return {"peak_allocated_bytes": peak, "peak_reserved_bytes": self.reserved,
+                "forward_peak_bytes": self.peaks.get("forward"),
+                "backward_peak_bytes": self.peaks.get("backward"),
+                "optimizer_peak_bytes": self.peaks.get("optimizer")}
