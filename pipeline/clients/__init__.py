@@ -14,6 +14,10 @@ from __future__ import annotations
 import importlib
 
 CLIENT_MODULES = {"loop": "pipeline.clients.loop", "trainer": "pipeline.clients.trainer"}
+# Clients whose imports the sweep's parent may pay once before forking. Importing transformers'
+# Trainer initialised CUDA in the parent on the H100 machine (with bitsandbytes importable), which
+# makes forked children unusable: each trainer child imports it itself.
+FORK_SAFE_IMPORTS = ("loop",)
 
 
 def client_module(name: str):

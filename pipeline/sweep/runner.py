@@ -36,12 +36,13 @@ def prepare_fork_parent(jobs: list[Job]) -> None:
     import torch
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from pipeline.clients import client_module
+    from pipeline.clients import FORK_SAFE_IMPORTS, client_module
     from pipeline.provenance import git_commit
 
     git_commit()  # cached for the children
     for client in dict.fromkeys(job.client for job in jobs):
-        client_module(client)  # the trainer's imports (Trainer, accelerate) too
+        if client in FORK_SAFE_IMPORTS:
+            client_module(client)
     for job in jobs:
         try:
             MODEL_FOR_CAUSAL_LM_MAPPING[type(job.record.transformers_config())]  # imports the modeling module
