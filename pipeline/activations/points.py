@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.vocabulary import ACTIVATION_BYTES, DTYPE_OF_PRECISION, PRECISIONS
+from pipeline.vocabulary import ACTIVATION_BYTES, DTYPE_OF_PRECISION
 
 # activations.parquet spells a precision by its dtype (pipeline.vocabulary); float16 is counted
-# only on request (`count --dtype float16`), never by the stage.
-SAVED_PRECISIONS = tuple(DTYPE_OF_PRECISION[precision] for precision in PRECISIONS)
+# only on request (`count --dtype float16`), never by the stage. amp-fp16 saves what amp-bf16 saves
+# (the same element sizes), so the stage counts the three precisions it always has.
+COUNTED_PRECISIONS = ("fp32", "bf16", "amp-bf16")
+SAVED_PRECISIONS = tuple(DTYPE_OF_PRECISION[precision] for precision in COUNTED_PRECISIONS)
 # Element size used for the bytes of a precision (amp-bf16 computes the matmuls in bfloat16).
 PRECISION_BYTES = {"float32": ACTIVATION_BYTES["fp32"], "bfloat16": ACTIVATION_BYTES["bf16"], "float16": 2,
                    "amp-bf16": ACTIVATION_BYTES["amp-bf16"]}
