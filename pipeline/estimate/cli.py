@@ -1,0 +1,91 @@
+"""`python -m pipeline estimate`: the peak of a step, or the largest batch or sequence that fits a GPU."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.devices import DEVICES
+from pipeline.errors import UserError
+from pipeline.estimate.api import answer, prepare
+from pipeline.estimate.search import largest_batch, largest_seq
+from pipeline.estimate.values import GIB, Run
+from pipeline.estimate.verdict import resolve_device
+from pipeline.vocabulary import METHODS, OPTIMIZERS, PRECISIONS
+
+
+def add_cli(subparsers) -> None:
+    from pipeline.arguments import positive_int
+    from pipeline.paths import DEFAULT_COEFFICIENTS
+
+    parser = subparsers.add_parser("estimate", help="estimate the peak memory of a training step")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="registry or Hugging Face model id")
+    source.add_argument("--config", help="path of a Hugging Face config.json")
+    source.add_argument("--params", help="parameter count N (blog and heuristic only)")
+    parser.add_argument("--active-params", help="with --params: parameters active per token (MoE; default N)")
+    parser.add_argument("--batch", type=positive_int, help="batch size B (optional with --max-batch-size)")
+    parser.add_argument("--seq", type=positive_int, help="sequence length L (optional with --max-seq-len)")
+    parser.add_argument("--precision", choices=PRECISIONS, required=True)
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+    parser.add_argument("--method", choices=METHODS, default="heuristic")
+    parser.add_argument("--coefficients", default=None, help=f"coefficient file (default {DEFAULT_COEFFICIENTS})")
+    gpu = parser.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", default=None, metavar="NAME", help=f"the GPU, one of: {', '.join(DEVICES)}")
+    gpu.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                     help="the GPU's memory in GiB as nvidia-smi reports it (an 80 GB H100: 79.6)")
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    search = parser.add_mutually_exclusive_group()
+    search.add_argument("--max-batch-size", action="store_true", help="the largest B that fits the GPU")
+    search.add_argument("--max-seq-len", action="store_true", help="the largest L that fits the GPU")
+    parser.add_argument("--attn-implementation", default=None, help="for --method exact")
+    parser.add_argument("--json", action="store_true", help="print the answer as JSON")
+    parser.set_defaults(handler=_estimate_command)
+
+
+def _estimate_command(args) -> int:
+    searching = "--max-batch-size" if args.max_batch_size else "--max-seq-len" if args.max_seq_len else None
+    if searching and args.gpu is None and args.gpu_memory is None:
+        raise UserError(f"{searching} needs --gpu NAME or --gpu-memory GIB")
+    if args.batch is None and not args.max_batch_size:
+        raise UserError("--batch B is required (unless --max-batch-size)")
+    if args.seq is None and not args.max_seq_len:
+        raise UserError("--seq L is required (unless --max-seq-len)")
+    run = Run(args.batch or 1, args.seq or 1, args.precision, args.optimizer, args.checkpointing,
+              args.attn_implementation, args.expandable_segments)
+    dev = resolve_device(args.gpu, args.gpu_memory)
+    estimator, target = prepare(args.method, args.coefficients, args.model, args.config, args.params,
+                                args.active_params)
+    if args.max_batch_size:
+        largest_found = largest_batch(estimator, target, run, dev)
+        run = run.with_batch(args.batch or max(largest_found, 1))
+    elif args.max_seq_len:
+        largest_found = largest_seq(estimator, target, run, dev)
+        run = run.with_seq(args.seq or max(largest_found, 1))
+    result = answer(estimator, target, run, dev)
+    if args.max_batch_size:
+        result["max_batch_size"] = largest_found
+    elif args.max_seq_len:
+        result["max_seq_len"] = largest_found
+    print(json.dumps(result, indent=2) if args.json else human_summary(result))
+    return 0
+
+
+def human_summary(result: dict) -> str:
+    lines = [f"{result['method']}: {result['peak_bytes'] / GIB:.2f} GiB peak for N = {result['parameters']:,} "
+             f"at B={result['batch_size']}, L={result['seq_len']}, {result['precision']}, {result['optimizer']}"
+             + (", checkpointing" if result["checkpointing"] else "")]
+    for name, value in (result["components"] or {}).items():
+        lines.append(f"  {name:<24} {value / GIB:10.2f} GiB")
+    lines.append(f"  {'peak reserved':<24} {result['peak_reserved_bytes'] / GIB:10.2f} GiB (the allocator's segments)")
+    if "fits" in result:
+        lines.append(f"  fits {result['gpu']} ({result['device_total_bytes'] / GIB:.1f} GiB; reserved + "
+                     f"{result['outside_bytes'] / GIB:.2f} GiB outside PyTorch): {'yes' if result['fits'] else 'no'}"
+                     f", headroom {result['headroom_bytes'] / GIB:.2f} GiB")
+        if result.get("expandable_segments_would_fit") and not result["fits"]:
+            lines.append("  fits with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    for name in ("max_batch_size", "max_seq_len"):
+        if name in result:
+            lines.append(f"  {name.replace('_', ' ')}: {result[name]}")
+    return "\n".join(lines)

@@ -1,0 +1,209 @@
+"""The estimators, one per method (`ESTIMATORS`), each with `predict(target, run) -> Estimate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.coefficients import reserved_ratio, resolve_coefficients
+from pipeline.errors import UserError
+from pipeline.estimate.values import Estimate, Run, Target
+from pipeline.formulas import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, BLOG_NOTES, BLOG_P, OUTSIDE_MAX,
+                               PEAK_FORMULAS, blog_a_bytes, blog_components, blog_peak, heuristic_peak,
+                               training_components)
+
+# Expandable segments map 20 MiB pages (large pool) and 2 MiB pages (small pool): a closed form's
+# reserved bytes are its peak plus at most one partly used page of each.
+EXPANDABLE_SLACK = (20 + 2) << 20
+
+
+class Estimator:
+    """An estimator of the peak: `predict(target, run)`; built by `load(coefficients)` from the user's options."""
+
+    name = ""
+    needs_config = False  # True: a parameter count is not enough, it needs the model's shape
+
+    @classmethod
+    def load(cls, coefficients=None) -> Estimator:
+        return cls()
+
+    @property
+    def peak_formula(self) -> str:
+        return PEAK_FORMULAS[self.name]
+
+    def predict(self, target: Target, run: Run) -> Estimate:
+        raise NotImplementedError
+
+    def guess_batch(self, target: Target, run: Run, memory_bytes) -> int | None:
+        """A first guess of the largest batch that fits, or None; `largest_batch` checks it."""
+        return None
+
+
+class ClosedFormEstimator(Estimator):
+    """A formula whose activations grow linearly with B, the rest of the peak not at all; its reserved
+    bytes are the peak times the measured reserved/allocated ratio."""
+
+    ratio = None  # reserved / allocated: reserved_ratio(coefficients)
+
+    def with_reserved(self, estimate: Estimate) -> Estimate:
+        estimate.reserved_bytes = estimate.peak_bytes * self.ratio["value"]
+        estimate.reserved_expandable_bytes = estimate.peak_bytes + EXPANDABLE_SLACK
+        estimate.details["reserved_ratio"] = self.ratio["value"]
+        return estimate
+
+    def guess_batch(self, target: Target, run: Run, memory_bytes) -> int | None:
+        one = self.predict(target, run.with_batch(1)).components
+        two = self.predict(target, run.with_batch(2)).components
+        per_batch = two["activations"] - one["activations"]
+        if per_batch <= 0:
+            return None
+        room = memory_bytes
+        for name in OUTSIDE_MAX[self.name]:
+            room -= one[name]
+        return max(1, int((room - (one["activations"] - per_batch)) // per_batch))
+
+
+class BlogEstimator(ClosedFormEstimator):
+    name = "blog"
+
+    def __init__(self, ratio: dict | None = None):
+        self.ratio = ratio or reserved_ratio(None)
+
+    @classmethod
+    def load(cls, coefficients=None) -> BlogEstimator:
+        """The published formula; only the reserved/allocated ratio comes from the coefficient file
+        (the built-in one when there is none)."""
+        try:
+            return cls(reserved_ratio(resolve_coefficients(coefficients)))
+        except UserError:
+            if coefficients is not None:
+                raise
+            return cls()
+
+    def predict(self, target: Target, run: Run) -> Estimate:
+        n = target.parameters
+        components = blog_components(n, run.batch, run.seq, run.precision, run.optimizer, run.checkpointing)
+        return self.with_reserved(Estimate(blog_peak(components), components, {
+            "activations_per_token": blog_a_bytes(n),
+            "activations_per_token_unit": "fp32 bytes (as published; the formula multiplies by P again)",
+            "bytes_per_parameter": BLOG_P[run.precision], "notes": list(BLOG_NOTES)}))
+
+
+@dataclass
+class HeuristicEstimator(ClosedFormEstimator):
+    coefficients: dict  # a loaded coefficient file
+
+    name = "heuristic"
+
+    @property
+    def ratio(self) -> dict:
+        return reserved_ratio(self.coefficients)
+
+    @classmethod
+    def load(cls, coefficients=None) -> HeuristicEstimator:
+        return cls(resolve_coefficients(coefficients))
+
+    def terms(self, target: Target, run: Run) -> tuple:
+        """(A elements per token, activations multiplier, checkpointing factor) from the coefficient file."""
+        c = self.coefficients
+        constants = c["estimator"]
+        x = target.active if c.get("x") == "active_parameters" else target.parameters
+        elements = c["a"] * x + c["b"]
+        multipliers = constants["activation_multiplier"]  # a file fitted before amp-fp16: amp-bf16's for it
+        multiplier = multipliers.get(run.precision, multipliers["amp-bf16"])["value"]
+        factor = 1.0
+        if run.checkpointing:
+            factor = constants["checkpointing_factor"]["value"]
+            if factor is None:
+                raise UserError("the coefficient file has no measured gradient-checkpointing factor "
+                                "(fit it with a peak table that has checkpointing rows)")
+        return elements, multiplier, factor
+
+    def predict(self, target: Target, run: Run) -> Estimate:
+        elements, multiplier, factor = self.terms(target, run)
+        components = training_components(target.parameters, elements, run.batch, run.seq, run.precision,
+                                         run.optimizer, multiplier, factor)
+        c = self.coefficients
+        note = ("activations = multiplier x A x B x L x bytes per element"
+                + (" x checkpointing factor" if run.checkpointing else "")
+                + (" + 2 x N bytes of bf16 weight copies" if run.precision in AMP_WEIGHT_COPY_BYTES else "")
+                + ", A = a*N + b elements per token from the refit (N: parameters active per token).")
+        return self.with_reserved(Estimate(heuristic_peak(components), components, {
+            "activations_per_token": elements, "activations_per_token_unit": "elements",
+            "bytes_per_activation_element": ACTIVATION_BYTES[run.precision], "activation_multiplier": multiplier,
+            "checkpointing_factor": factor if run.checkpointing else None,
+            "coefficients": {"a": c["a"], "b": c["b"], "date": c["date"], "data_sha256": c["data"]["sha256"]},
+            "notes": [note]}))
+
+
+class ExactEstimator(Estimator):
+    name = "exact"
+    needs_config = True
+
+    def predict(self, target: Target, run: Run) -> Estimate:
+        result = exact_peak(target.config, run.batch, run.seq, run.precision, run.optimizer, run.checkpointing,
+                            run.attn_implementation)
+        return Estimate(float(result["peak_bytes"]), result.get("components"), {
+            "activations_per_token": None, "activations_per_token_unit": None,
+            "notes": ["simulated by pipeline.simulate.predict_peak (reserved: the caching allocator's "
+                      "segments replayed)"]}, result["peak_reserved_bytes"], result["peak_reserved_expandable_bytes"])
+
+
+@dataclass
+class FormulaEstimator(ClosedFormEstimator):
+    """The closed-form formula of coefficients.json v2 on a config.json dict: no torch, no transformers."""
+
+    coefficients: dict
+
+    name = "formula"
+    needs_config = True
+
+    @property
+    def ratio(self) -> dict:
+        return reserved_ratio(self.coefficients)
+
+    @classmethod
+    def load(cls, coefficients=None) -> FormulaEstimator:
+        return cls(resolve_coefficients(coefficients))
+
+    def predict(self, target: Target, run: Run) -> Estimate:
+        from pipeline.features import read_facts
+        from pipeline.formula_peak import peak_group, predict_peak
+        from pipeline.hook_features import hook_feature_values
+
+        section = self.coefficients["activation_formula"]
+        config = config_dict(target.config)
+        facts = read_facts(config)
+        group = peak_group(run.precision, run.checkpointing)
+        if group not in section["peak"]:
+            raise UserError(f"method 'formula': the coefficient file has no peak fit for {group}")
+        result = predict_peak(section["peak"], facts, target.parameters, run.batch, run.seq, run.precision,
+                              run.optimizer, run.checkpointing, run.attn_implementation)
+        hook = section["hook_elements"]["coefficients"]
+        elements = sum(hook.get(t, 0.0) * v for t, v in hook_feature_values(facts, config).items())
+        return self.with_reserved(Estimate(result["peak_bytes"], result["components"], {
+            "activations_per_token": elements, "activations_per_token_unit": "elements (hook method, formula)",
+            "unread_terms": list(facts.unread),
+            "notes": ["closed-form formula of coefficients.json 'activation_formula': peak = max(optimizer step, "
+                      "start of the backward), exact terms from config facts, saved-for-backward bytes fitted per "
+                      "term on measured H200 peaks"]}))
+
+
+ESTIMATORS = {"blog": BlogEstimator, "heuristic": HeuristicEstimator, "exact": ExactEstimator,
+              "formula": FormulaEstimator}  # by METHODS
+
+
+def config_dict(config) -> dict:
+    """A config.json dict from a dict or a transformers config."""
+    return config if isinstance(config, dict) else config.to_dict()
+
+
+def exact_peak(config, batch, seq, precision, optimizer, checkpointing, attn_implementation=None) -> dict:
+    """The simulator's prediction (`predict_peak`'s answer)."""
+    try:
+        from pipeline.simulate import predict_peak
+    except ModuleNotFoundError as exc:
+        if exc.name != "pipeline.simulate":
+            raise
+        raise UserError("method 'exact' needs the simulator (pipeline/simulate.py), which is not installed") from None
+    return predict_peak(config, batch_size=batch, seq_len=seq, precision=precision, optimizer=optimizer,
+                        gradient_checkpointing=checkpointing, attn_implementation=attn_implementation)

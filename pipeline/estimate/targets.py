@@ -1,0 +1,117 @@
+"""What is estimated (`Target`): from a model id, a config (path, dict or transformers config) or a
+parameter count; the formula's target is read from config facts without torch or transformers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from pipeline.errors import UserError
+from pipeline.estimate.estimators import ESTIMATORS, config_dict
+from pipeline.estimate.values import Target
+
+
+def formula_target(model=None, config=None) -> Target:
+    """The target of the formula: config facts and N in closed form, without building (or importing) a model."""
+    from pipeline.features import parameter_count, read_facts
+
+    if model is not None:
+        from pipeline.configs import read_config_records
+        from pipeline.paths import CONFIGS
+
+        record = read_config_records(CONFIGS).get(model) if Path(CONFIGS).is_file() else None
+        if not record or record.get("status") != "ok":
+            raise UserError(f"{model}: method 'formula' reads config facts from {CONFIGS} or --config; not there")
+        config, label = record["config"], model
+    elif isinstance(config, (str, Path)):
+        config, label = read_config_file(config), str(config)
+    else:
+        config, label = config_dict(config), "config"
+    if not isinstance(config.get("model_type"), str):
+        raise UserError(f"{label}: no model_type in the config")
+    facts = read_facts(config)
+    if not facts.hidden or not facts.layers or not facts.vocab:
+        raise UserError(f"{label}: cannot read the model's shape ({', '.join(facts.unread)})")
+    n, active = parameter_count(facts)
+    return Target(n, str(config.get("_name_or_path") or label), config, active)
+
+
+def read_config_file(path) -> dict:
+    path = Path(path)
+    try:
+        facts = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"{path}: not a readable JSON config file") from None
+    if not isinstance(facts, dict):
+        raise UserError(f"{path}: not a JSON object")
+    return facts
+
+
+def resolve_config(model=None, config=None):
+    """(model id, transformers config) from a model id, a config.json path, a dict of its facts, or a config."""
+    from pipeline.configs import config_from_dict, resolve_model
+    from pipeline.registry import check_shape_facts
+
+    if model is not None and config is not None:
+        raise UserError("give one of model and config, not both")
+    if model is not None:
+        resolved = resolve_model(model_id=model)
+        return resolved.model_id, resolved.config
+    if isinstance(config, (str, Path)):
+        config, label = read_config_file(config), str(Path(config))
+    else:
+        label = "config"
+    if isinstance(config, dict):
+        built = config_from_dict(config, label)  # checks model_type first
+        check_shape_facts(config, label)
+        return str(config.get("_name_or_path") or label), built
+    return str(getattr(config, "_name_or_path", "") or "config"), config
+
+
+def count_parameters(config) -> tuple[int, int]:
+    """(N, parameters active per token) of the model built from its config on the meta device."""
+    from pipeline.modeling import build_model, parameter_counts
+
+    try:
+        counts = parameter_counts(build_model(config, "meta"), config)
+    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is bad input
+        raise UserError(f"config cannot be built: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+    return int(counts["parameters"]), int(counts["active_parameters"])
+
+
+def parse_parameter_count(params) -> int:
+    """N from an int or text such as '1543714304' or '1.5e9' (must be a positive whole number)."""
+    if isinstance(params, int) and not isinstance(params, bool) and params > 0:
+        return params
+    if isinstance(params, str) and params.strip().isdigit() and int(params) > 0:
+        return int(params)  # exact, even beyond float precision
+    try:
+        value = float(params)
+    except (TypeError, ValueError):
+        raise UserError(f"params {params!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0 or value != int(value):
+        raise UserError(f"params {params!r} must be a positive whole number")
+    return int(value)
+
+
+def resolve_target(model=None, config=None, params=None, method="heuristic", active_params=None) -> Target:
+    if sum(x is not None for x in (model, config, params)) != 1:
+        raise UserError("give exactly one of model, config and params")
+    if params is not None:
+        if ESTIMATORS[method].needs_config:
+            raise UserError(f"method {method!r} needs the model's shape: give a model or a config, not params")
+        n = parse_parameter_count(params)
+        active = parse_parameter_count(active_params) if active_params is not None else None
+        if active is not None and active > n:
+            raise UserError(f"active params {active} exceed params {n}")
+        return Target(n, active_parameters=active)
+    if active_params is not None:
+        raise UserError("active params go with params; a model or config gives its own")
+    if method == "formula":
+        return formula_target(model, config)
+    model_id, built = resolve_config(model, config)
+    n, active = count_parameters(built)
+    return Target(n, model_id, built, active)

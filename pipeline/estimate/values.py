@@ -1,0 +1,71 @@
+"""The values passed between the estimators, the searches and the answer: the run, the target and
+an estimate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from pipeline.errors import UserError
+from pipeline.vocabulary import OPTIMIZERS, PRECISIONS, check_choice, check_positive_int
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Run:
+    """The training step being estimated: its shape and settings."""
+
+    batch: int
+    seq: int
+    precision: str
+    optimizer: str = "adamw"
+    checkpointing: bool = False
+    attn_implementation: str | None = None  # exact only; None: the library's default
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+
+    def __post_init__(self):
+        check_positive_int("batch", self.batch)
+        check_positive_int("seq", self.seq)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        object.__setattr__(self, "checkpointing", bool(self.checkpointing))
+        if not isinstance(self.expandable_segments, bool):
+            raise UserError(f"expandable_segments must be true or false, not {self.expandable_segments!r}")
+
+    def with_batch(self, batch: int) -> Run:
+        return replace(self, batch=batch)
+
+    def with_seq(self, seq: int) -> Run:
+        return replace(self, seq=seq)
+
+
+@dataclass
+class Target:
+    """What is estimated: a parameter count, and the config when one was given."""
+
+    parameters: int
+    model_id: str | None = None
+    config: object = None
+    active_parameters: int | None = None  # per token (MoE); None: all of them
+
+    @property
+    def active(self) -> int:
+        return self.parameters if self.active_parameters is None else self.active_parameters
+
+    @property
+    def source(self) -> str:
+        return "given" if self.config is None else "config (built on the meta device)"
+
+
+@dataclass
+class Estimate:
+    """One estimator's answer: the peak, its components (bytes) and what the method adds to the answer."""
+
+    peak_bytes: float
+    components: dict | None
+    details: dict = field(default_factory=dict)
+    reserved_bytes: float | None = None  # torch.cuda.max_memory_reserved(), default allocator settings
+    reserved_expandable_bytes: float | None = None  # the same with expandable segments
+
+    def reserved(self, expandable: bool) -> float:
+        return self.reserved_expandable_bytes if expandable else self.reserved_bytes

@@ -1,0 +1,68 @@
+"""The fit verdict: a step fits a device when its reserved bytes plus the memory outside PyTorch
+(`pipeline.devices`) are at most the device's nvidia-smi total."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipeline.devices import DEVICES, Device, custom_device, device, outside_bytes
+from pipeline.errors import UserError
+from pipeline.estimate.values import GIB, Estimate, Run
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a step fits a device: its reserved bytes plus the memory outside PyTorch."""
+
+    device: Device
+    reserved_bytes: float
+    outside_bytes: int
+    expandable_reserved_bytes: float
+
+    @property
+    def fits(self) -> bool:
+        return self.reserved_bytes + self.outside_bytes <= self.device.total_bytes
+
+    @property
+    def headroom_bytes(self) -> float:
+        return self.device.total_bytes - self.reserved_bytes - self.outside_bytes
+
+    @property
+    def expandable_fits(self) -> bool:
+        return self.expandable_reserved_bytes + self.outside_bytes <= self.device.total_bytes
+
+
+def judge(estimated: Estimate, run: Run, dev: Device) -> Verdict:
+    return Verdict(dev, estimated.reserved(run.expandable_segments), outside_bytes(dev, run.precision,
+                   run.attn_implementation), estimated.reserved_expandable_bytes)
+
+
+def resolve_device(gpu=None, gpu_memory_gib=None) -> Device | None:
+    """The device of the fit verdict: a catalogue name or an nvidia-smi total in GiB (not both)."""
+    if gpu is not None and gpu_memory_gib is not None:
+        raise UserError("give one of gpu and gpu_memory_gib, not both")
+    if gpu is not None:
+        if not isinstance(gpu, str):
+            raise UserError(f"gpu must be a name, one of {', '.join(DEVICES)}; not {gpu!r}")
+        return device(gpu)
+    if gpu_memory_gib is not None:
+        return custom_device(gpu_memory_bytes(gpu_memory_gib) / GIB)
+    return None
+
+
+def required_device(gpu, gpu_memory_gib) -> Device:
+    dev = resolve_device(gpu, gpu_memory_gib)
+    if dev is None:
+        raise UserError("give the GPU: gpu (a name) or gpu_memory_gib")
+    return dev
+
+
+def gpu_memory_bytes(gib) -> int:
+    try:
+        value = float(gib)
+    except (TypeError, ValueError):
+        raise UserError(f"gpu memory {gib!r} is not a number of GiB") from None
+    if not math.isfinite(value) or value <= 0:
+        raise UserError(f"gpu memory {gib!r} must be a positive number of GiB")
+    return int(value * GIB)
