@@ -98,7 +98,7 @@ def marker(i: int) -> str:
 
 def hook_points(results_dir: Path, coefficients: dict):
     """Hook counts at B=1, L=1 of the ok models, with `x`: the heuristic fit's x column."""
-    from pipeline.fit import hook_rows
+    from pipeline.line_fit import hook_rows
 
     points = hook_rows(read(results_dir, "models.parquet"), read(results_dir, "activations.parquet"))
     x_column = coefficients.get("x", "parameters")
@@ -117,7 +117,7 @@ def bootstrap_band(x, y, grid, weighting: str = "none", resamples: int = BAND_RE
     own least squares: weighted 1/y^2 when `weighting` is relative)."""
     import numpy as np
 
-    from pipeline.fit import sample_weights
+    from pipeline.line_fit import sample_weights
 
     weights = sample_weights(y, weighting)
     rng = np.random.default_rng(seed)

@@ -25,7 +25,8 @@ from pathlib import Path
 from pipeline.coefficients import reserved_ratio
 from pipeline.devices import context_bytes
 from pipeline.errors import UserError
-from pipeline.estimate import BlogEstimator, Estimate, ExactEstimator, FormulaEstimator, HeuristicEstimator, Run, Target
+from pipeline.estimate.estimators import BlogEstimator, ExactEstimator, FormulaEstimator, HeuristicEstimator
+from pipeline.estimate.values import Estimate, Run, Target
 from pipeline.paths import COEFFICIENTS, CONFIGS, PEAKS, VALIDATION
 
 ESTIMATORS = ("blog", "heuristic", "heuristic-lofo", "formula", "formula-lofo", "exact")
@@ -35,7 +36,7 @@ KEY_COLUMNS = ["model_id", "model_type", "family", "parameters", "precision", "o
 
 def measured_rows(peaks):
     """ok and oom rows of the standard step (the estimators model nothing else)."""
-    from pipeline.fit import require_columns
+    from pipeline.line_fit import require_columns
 
     require_columns(peaks, ["model_id", "family", "parameters", "precision", "optimizer", "gradient_checkpointing",
                              "batch_size", "seq_len", "status", "peak_allocated_bytes", "gpu_total_bytes"],
@@ -58,7 +59,8 @@ def refit_without_family(coefficients: dict, peaks, family: str) -> dict | None:
     import numpy as np
     from sklearn.linear_model import LinearRegression
 
-    from pipeline.fit import peak_constants, sample_weights
+    from pipeline.line_fit import sample_weights
+    from pipeline.peak_constants import peak_constants
 
     column = coefficients["x"]
     rows = [r for r in coefficients["data"]["rows"] if r["family"] != family]
@@ -408,7 +410,7 @@ def write_peak_comparison(summary: dict, path) -> None:
 def run_validate(peaks_path, coefficients_path, configs_path, out_path, exact: bool = False,
                  summary_path=None, simulated_path=None, comparison_path=None) -> dict:
     from pipeline.coefficients import load_coefficients
-    from pipeline.fit import read_table
+    from pipeline.line_fit import read_table
     from pipeline.io import write_json, write_parquet, write_text
 
     coefficients = load_coefficients(coefficients_path)

@@ -14,7 +14,7 @@ LAYERS = {
     "inputs": ("registry", "configs", "modeling"),
     "measuring": ("step", "autocast", "activations", "clients", "memory", "sweep", "simulate"),
     "knowledge": ("devices", "formulas", "features", "hook_features", "coefficients", "formula_fit", "formula_peak",
-                  "formula_regression", "fit"),
+                  "formula_regression", "line_fit", "peak_constants", "fit"),
     "answers": ("estimate", "validate"),
     "outputs": ("figures", "dataset", "publish"),
     "entry": ("cli", "__main__", "__init__"),
