@@ -48,18 +48,24 @@ def config_from_dict(facts: dict, label: str = "config") -> object:
         hf_logging.set_verbosity(verbosity)
 
 
-def config_from_file(path: str | Path) -> ResolvedConfig:
-    """A Hugging Face `config.json` given by path (any model, not only registry ones)."""
+def read_config_file(path) -> dict:
+    """The facts of a Hugging Face `config.json` given by path (the one reader of such a file)."""
     path = Path(path)
     try:
         facts = json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"{path}: config file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         raise UserError(f"{path}: not a JSON config file") from None
     if not isinstance(facts, dict):
         raise UserError(f"{path}: not a JSON object")
-    name = facts.get("_name_or_path") or path.stem
+    return facts
+
+
+def config_from_file(path: str | Path) -> ResolvedConfig:
+    """A Hugging Face `config.json` given by path (any model, not only registry ones)."""
+    facts = read_config_file(path)
+    name = facts.get("_name_or_path") or Path(path).stem
     return ResolvedConfig(model_id=str(name), config=config_from_dict(facts, str(path)), source="file", facts=facts)
 
 

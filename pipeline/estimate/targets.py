@@ -3,10 +3,10 @@ parameter count; the formula's target is read from config facts without torch or
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
+from pipeline.configs import read_config_file
 from pipeline.errors import UserError
 from pipeline.estimate.estimators import ESTIMATORS, config_dict
 from pipeline.estimate.values import Target
@@ -35,19 +35,6 @@ def formula_target(model=None, config=None) -> Target:
         raise UserError(f"{label}: cannot read the model's shape ({', '.join(facts.unread)})")
     n, active = parameter_count(facts)
     return Target(n, str(config.get("_name_or_path") or label), config, active)
-
-
-def read_config_file(path) -> dict:
-    path = Path(path)
-    try:
-        facts = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: config file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise UserError(f"{path}: not a readable JSON config file") from None
-    if not isinstance(facts, dict):
-        raise UserError(f"{path}: not a JSON object")
-    return facts
 
 
 def resolve_config(model=None, config=None):
