@@ -1,6 +1,6 @@
 """Stage 3: parameter and activation counts of every registry model, on the meta device (no weights).
 
-Two activation counts (DESIGN.md, binding):
+Two activation counts (docs/definitions.md):
 
 - `hook` (the blog's method): sum of the tensor outputs of every module of `model.modules()` (a tensor,
   or the tensors inside a tuple/list output) in a forward of a (B, L) int64 input, eval mode,

@@ -108,7 +108,7 @@ def _rows(base, method, dtype, batch, seq, measurement: Measurement) -> list[dic
     if method == "saved":
         return [row]
     rows = []
-    for hook_dtype in HOOK_DTYPES:  # bytes = elements x element size of the dtype (DESIGN.md)
+    for hook_dtype in HOOK_DTYPES:  # bytes = elements x element size of the dtype (docs/definitions.md)
         nbytes = measurement.elements * PRECISION_BYTES[hook_dtype] if ok else None
         rows.append({**row, "dtype": hook_dtype, "bytes": nbytes,
                      "bytes_per_token": nbytes / tokens if ok else None})

@@ -21,6 +21,7 @@ class Estimator:
 
     name = ""
     needs_config = False  # True: a parameter count is not enough, it needs the model's shape
+    reads_facts_only = False  # True: the target comes from config facts, no model is built (no torch)
 
     @classmethod
     def load(cls, coefficients=None) -> Estimator:
@@ -156,6 +157,7 @@ class FormulaEstimator(ClosedFormEstimator):
 
     name = "formula"
     needs_config = True
+    reads_facts_only = True
 
     @property
     def ratio(self) -> dict:

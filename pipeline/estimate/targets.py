@@ -97,7 +97,7 @@ def resolve_target(model=None, config=None, params=None, method="heuristic", act
         return Target(n, active_parameters=active)
     if active_params is not None:
         raise UserError("active params go with params; a model or config gives its own")
-    if method == "formula":
+    if ESTIMATORS[method].reads_facts_only:
         return formula_target(model, config)
     model_id, built = resolve_config(model, config)
     n, active = count_parameters(built)
