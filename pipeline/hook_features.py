@@ -46,6 +46,7 @@ HOOK_FEATURES = {
                "layers with rotary embeddings)",
 }
 HOOK_TERMS = list(HOOK_FEATURES)
+HOOK_ONLY_TERMS = [t for t in HOOK_TERMS if t not in FEATURES]  # the hook count's own terms
 
 
 def has_qk_norm(model_type: str, config: dict) -> bool:

@@ -145,3 +145,21 @@ def test_formula_figures_and_peak_rows_from_the_committed_tables(tmp_path):
     path = tmp_path / "peak_comparison.md"
     write_peak_comparison(summary, path)
     assert path.read_text().startswith("# Peak of the standard training step") and table in path.read_text()
+
+
+def test_features_subset_lets_others_refit_the_hook_count():
+    """The dataset's features subset carries every term of the hook formula: the committed
+    coefficients times the subset's columns give the formula's own hook prediction."""
+    from pipeline.dataset.subsets import features_table
+    from pipeline.hook_features import HOOK_TERMS
+
+    rows = {row["model_id"]: row for row in features_table("results/configs.json")}
+    assert len(rows) == 187
+    mixtral = rows["mistralai/Mixtral-8x7B-v0.1"]
+    assert mixtral["feature_expert_activations"] == 917504 and mixtral["feature_qk_norm"] == 0
+    coefficients = json.loads(open("results/coefficients.json").read())["activation_formula"]
+    hook = coefficients["hook_elements"]["coefficients"]
+    predictions = {row["model_id"]: row for row in coefficients["hook_predictions"]}
+    for model_id in ("mistralai/Mixtral-8x7B-v0.1", "Qwen/Qwen2.5-1.5B", "openai/gpt-oss-20b"):
+        refit = sum(hook.get(term, 0.0) * rows[model_id][f"feature_{term}"] for term in HOOK_TERMS)
+        assert refit == pytest.approx(predictions[model_id]["formula"], rel=1e-9)

@@ -6,6 +6,7 @@ A column without a description here fails the build, so the card cannot fall beh
 from __future__ import annotations
 
 from pipeline.features import FEATURES
+from pipeline.hook_features import HOOK_FEATURES, HOOK_ONLY_TERMS
 
 PROVENANCE = {
     "torch_version": ("", "PyTorch version that produced the row"),
@@ -164,6 +165,8 @@ COLUMNS.update({
 COLUMNS.update({f"feature_{_term}": ("elements per token" + (" per unit of L" if _term in ("scores", "scores_dropout",
                                                                                           "mask") else ""), _doc)
                 for _term, _doc in FEATURES.items()})
+COLUMNS.update({f"feature_{_term}": ("elements per token", f"hook count only: {HOOK_FEATURES[_term]}")
+                for _term in HOOK_ONLY_TERMS})
 
 # Same column name, different meaning in one subset: (subset, column) -> (unit, meaning).
 SUBSET_COLUMNS: dict[tuple[str, str], tuple[str, str]] = {

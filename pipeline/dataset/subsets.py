@@ -35,15 +35,28 @@ def load_tables(results_dir) -> dict:
         if subset == "coefficients":
             tables[subset] = coefficients_table(json.loads(path.read_text()))
         elif subset == "features":
-            from pipeline.configs import read_config_records
-            from pipeline.features import feature_rows
-
-            tables[subset] = pd.DataFrame(feature_rows(read_config_records(path)))
+            tables[subset] = pd.DataFrame(features_table(path))
         else:
             tables[subset] = pd.read_parquet(path)
     if "models" not in tables:
         raise UserError(f"{results_dir}: models.parquet not found (run the activations stage first)")
     return tables
+
+
+def features_table(configs_path) -> list[dict]:
+    """One row per ok config: the formula's features and N (pipeline.features), plus the hook count's
+    own features (pipeline.hook_features: expert outputs as modules return them, query/key norms)."""
+    from pipeline.configs import read_config_records
+    from pipeline.features import feature_rows, read_facts
+    from pipeline.hook_features import HOOK_ONLY_TERMS, hook_feature_values
+
+    records = read_config_records(configs_path)
+    rows = feature_rows(records)
+    for row in rows:
+        config = records[row["model_id"]]["config"]
+        hook = hook_feature_values(read_facts(config), config)
+        row.update({f"feature_{term}": hook[term] for term in HOOK_ONLY_TERMS})
+    return rows
 
 
 def coefficients_table(coefficients: dict):
