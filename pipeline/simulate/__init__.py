@@ -10,7 +10,8 @@ kernel runs and what it saves, autocast, kernel scratch memory) rules mirror CUD
 Modules: `predict` (predict_peak, the meta model cache), `step` (the step under the tracker),
 `tracker` (live bytes by role), `allocator` (the caching allocator's blocks), `output_cache`,
 `rules` (the TorchFunctionMode: autocast, SDPA, dropout), `sdpa`, `kernels` (workspaces, host
-outputs, grouped_mm), `stand_ins` (data-dependent values), `peaks` (the simulate-peaks stage), `cli`.
+outputs, grouped_mm), `stand_ins` (data-dependent values), `scaler` (amp-fp16's gradient scaler),
+`peaks` (the simulate-peaks stage), `cli`.
 Importing this package imports no torch.
 """
 

@@ -42,8 +42,6 @@ def check_inputs(batch_size, seq_len, precision, optimizer, gradient_checkpointi
     check_positive_int("batch_size", batch_size)
     check_positive_int("seq_len", seq_len)
     check_choice("precision", precision, PRECISIONS)
-    if precision == "amp-fp16":  # issue 11: fp16 autocast and the gradient scaler are not simulated yet
-        raise UserError("the exact method does not simulate amp-fp16 yet; use --method blog or heuristic")
     check_choice("optimizer", optimizer, OPTIMIZERS)
     check_choice("variant", variant, VARIANTS)
     if attn_implementation is not None:

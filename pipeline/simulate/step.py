@@ -6,6 +6,9 @@ state that exists from step 1 on (and the previous step's loss). So one forward 
 run, then two optimizer steps: forward and backward peaks of step 2 are those of step 1 plus the
 state; the optimizer peak is the larger of the two optimizer steps.
 
+amp-fp16 runs the loop's gradient scaler (`scaler.scale(loss).backward(); scaler.step(opt);
+scaler.update()`), the real `torch.amp.GradScaler` on the step's device (`pipeline.simulate.scaler`).
+
 Reserved bytes (the allocator's segments) are replayed apart, with the default allocator settings and
 with expandable segments; for steps 2 and 3 the first step's requests are replayed from the state
 that step 1 left (`allocator.later_steps_reserved`), since the segments stay cached between steps.
@@ -17,7 +20,8 @@ import contextlib
 
 from pipeline.simulate.allocator import (CachingAllocator, ExpandableSegments, Fanout, allocated_bytes,
                                          later_steps_reserved)
-from pipeline.step import Setting, make_optimizer, set_training_mode, token_ids, training_loss, zero_grad
+from pipeline.simulate.scaler import scaler_tensors
+from pipeline.step import Setting, grad_scaler, make_optimizer, set_training_mode, token_ids, training_loss, zero_grad
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -35,6 +39,7 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
 
     from pipeline.simulate.kernels import CUBLAS_WORKSPACES, host_outputs, workspace_rules
     from pipeline.simulate.rules import KernelRules
+    from pipeline.simulate.scaler import scaler_stand_ins
     from pipeline.simulate.stand_ins import UniformValues, scalar_stand_ins
     from pipeline.simulate.tracker import LiveBytesTracker
 
@@ -42,8 +47,9 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     rules = KernelRules(device_type, sdpa=cuda_rules)
     meta = device_type == "meta"
     reserved = Fanout([CachingAllocator(), ExpandableSegments()])
-    tracker = LiveBytesTracker(device_type, workspace_rules() if cuda_rules else None,
-                               scalar_stand_ins() if meta else None, UniformValues() if meta else None,
+    stand_ins = {**scalar_stand_ins(), **scaler_stand_ins()} if meta else None
+    tracker = LiveBytesTracker(device_type, workspace_rules() if cuda_rules else None, stand_ins,
+                               UniformValues() if meta else None,
                                CachingAllocator() if blocks else None, host_outputs() if cuda_rules else None,
                                reserved)
     set_training_mode(model, setting)
@@ -59,7 +65,9 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
              for p in params if p.requires_grad]
     opt = make_optimizer(params, setting, foreach=True)  # CUDA's default; meta tensors have none
     saved = SavedTensors(params)
-    amp = rules.autocast(torch.bfloat16) if precision == "amp-bf16" else contextlib.nullcontext()
+    amp_dtype = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
+    amp = rules.autocast(amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
+    scaler = grad_scaler(precision, device_type)
     try:
         with rules, tracker:
             reserved.record()
@@ -72,17 +80,17 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
             forward = reserved.stop()
             reserved.record()
             tracker.start_phase("backward", "activations")
-            loss.backward()
+            (loss if scaler is None else scaler.scale(loss)).backward()
             backward = reserved.stop()
             tracker.start_phase("optimizer", "optimizer_intermediates")
-            opt.step()
+            optimizer_step(opt, scaler)
             state = optimizer_state(opt, device_type)
             for tensor in state:
                 tracker.retag(tensor, "optimizer_state")
             step1 = tracker.peaks.pop("optimizer")
             tracker.start_phase("optimizer", "optimizer_intermediates")
             reserved.record()
-            opt.step()
+            optimizer_step(opt, scaler)
             zero_grad(opt, setting)
             optimizer_trace = reserved.stop()
             tracker.phase = None
@@ -94,18 +102,41 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     state_raw_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in state
                            if tracker.bytes_of([t])}.values())  # not AdamW's step counters (host scalars)
     loss_bytes = allocated_bytes(loss.untyped_storage().nbytes()) if loss.device.type == device_type else 0
-    result = summarise(tracker.peaks, step1, state_bytes, loss_bytes, saved_bytes)
+    # the previous step's loss and the scaler's tensors (made in step 1's backward) are alive in the
+    # forward of steps 2 and 3
+    carried = loss_bytes + tracker.bytes_of(scaler_tensors(scaler))
+    result = summarise(tracker.peaks, step1, state_bytes, carried, saved_bytes)
     result["optimizer_state_bytes"] = state_raw_bytes  # as pipeline.memory reports it: storage bytes
     ids_at, loss_at = tracker.address_of(ids), tracker.address_of(loss)
+    once = [at for at in (tracker.address_of(t) for t in scaler_tensors(scaler)) if at]
+    backward = [without_first_allocations(trace, [at[i] for at in once]) for i, trace in enumerate(backward)]
     result["peak_reserved_bytes"], result["peak_reserved_expandable_bytes"] = (
         later_steps_reserved(allocator, *traces, ids_at and ids_at[i], loss_at and loss_at[i])
         for i, (allocator, *traces) in enumerate(zip(reserved.allocators, forward, backward, optimizer_trace)))
     return result
 
 
-def summarise(peaks, optimizer_step1, state_bytes, loss_bytes, saved_bytes) -> dict:
-    """Phase peaks over the three steps, and the components at the overall peak."""
-    later = {"forward": state_bytes + loss_bytes, "backward": state_bytes, "optimizer": 0}
+def optimizer_step(opt, scaler) -> None:
+    """The optimizer step, through the gradient scaler in amp-fp16 (pipeline.clients.loop's)."""
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
+
+
+def without_first_allocations(trace: list, addresses: list) -> list:
+    """`trace` less the allocations of blocks that the first step makes once and keeps (the
+    scaler's scale and growth tracker, made by the first `scale()`): later steps do not repeat them."""
+    drop = {max((i for i, (at, nbytes) in enumerate(trace) if at == address and nbytes is not None), default=None)
+            for address in addresses}
+    return [event for i, event in enumerate(trace) if i not in drop]
+
+
+def summarise(peaks, optimizer_step1, state_bytes, carried_bytes, saved_bytes) -> dict:
+    """Phase peaks over the three steps, and the components at the overall peak (`carried_bytes`:
+    alive in the forward of later steps besides the optimizer state)."""
+    later = {"forward": state_bytes + carried_bytes, "backward": state_bytes, "optimizer": 0}
     if optimizer_step1.total > peaks["optimizer"].total:
         peaks["optimizer"] = optimizer_step1
     phase_peaks, parts = {}, {}
