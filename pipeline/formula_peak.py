@@ -36,8 +36,13 @@ PEAK_FORMULA = ("peak = max(W + G + S + I + workspaces, W + S + workspaces + 8 x
                 "V = vocab_size; workspaces = 65 MiB")
 
 
+# amp-fp16 keeps the tensors amp-bf16 keeps, of the same sizes (2-byte autocast copies and
+# activations; the same kernel choice on sm90); its gradient scaler adds a few 512-byte blocks.
+SAME_TENSORS_AS = {"amp-fp16": "amp-bf16"}
+
+
 def peak_group(precision: str, checkpointing: bool) -> str:
-    return precision + ("+checkpointing" if checkpointing else "")
+    return SAME_TENSORS_AS.get(precision, precision) + ("+checkpointing" if checkpointing else "")
 
 
 def fixed_bytes(parameters, precision: str, optimizer: str) -> tuple[float, float]:
@@ -138,6 +143,7 @@ def _attention(value):
 def predict_peak(peak_fits: dict, facts, parameters, batch: int, seq: int, precision: str, optimizer: str,
                  checkpointing: bool, attention=None) -> dict:
     """The formula's peak, its phase and components (bytes); KeyError when the group was not fitted."""
+    precision = SAME_TENSORS_AS.get(precision, precision)
     coefficients = peak_fits[peak_group(precision, checkpointing)]["coefficients"]
     x = saved_design(facts, seq, precision, checkpointing, _attention(attention))
     saved = sum(coefficients.get(t, 0.0) * v for t, v in zip(TERMS, x))

@@ -163,3 +163,19 @@ def test_features_subset_lets_others_refit_the_hook_count():
     for model_id in ("mistralai/Mixtral-8x7B-v0.1", "Qwen/Qwen2.5-1.5B", "openai/gpt-oss-20b"):
         refit = sum(hook.get(term, 0.0) * rows[model_id][f"feature_{term}"] for term in HOOK_TERMS)
         assert refit == pytest.approx(predictions[model_id]["formula"], rel=1e-9)
+
+
+def test_formula_answers_amp_fp16_with_amp_bf16_tensors():
+    """amp-fp16 keeps amp-bf16's tensors (2-byte copies and activations): the same closed form,
+    checked against the H100's loop amp-fp16 points it was never fitted on (within 5%)."""
+    records = read_config_records("results/configs.json")
+    config = records["HuggingFaceTB/SmolLM2-135M"]["config"]
+    run = dict(config=config, batch=4, seq=512, method="formula", coefficients="results/coefficients.json")
+    assert estimate(precision="amp-fp16", **run)["peak_bytes"] == estimate(precision="amp-bf16", **run)["peak_bytes"]
+    measured = pd.read_parquet("results/trainer/h100/peak_memory.parquet")
+    loop = measured[(measured.client == "loop") & (measured.status == "ok")]
+    assert len(loop) >= 20
+    for row in loop.itertuples():
+        answer = estimate(config=records[row.model_id]["config"], batch=int(row.batch_size), seq=int(row.seq_len),
+                          precision="amp-fp16", method="formula", coefficients="results/coefficients.json")
+        assert abs(answer["peak_bytes"] / row.peak_allocated_bytes - 1) < 0.05, row.model_id
