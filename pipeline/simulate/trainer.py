@@ -1,0 +1,210 @@
+"""`predict_trainer_peak`: the peak memory of `client = trainer` (docs/definitions.md, "Training
+settings beyond the standard step"; the GPU run is `pipeline.clients.trainer`) on meta tensors.
+
+The real transformers.Trainer and accelerate code runs under the live-byte tracker and CUDA's
+kernel rules, as `pipeline.simulate.step` runs the standard step: `Trainer.create_optimizer`
+(the `optim` name resolved by transformers), accelerate's `prepare_model` (its autocast wrapper of
+the forward and `convert_outputs_to_fp32`), `Trainer.training_step` (`compute_loss` with
+`num_items_in_batch`, `accelerator.backward`), `Trainer._clip_grad_norm` (accelerate's
+`clip_grad_norm_`: torch's foreach norms), `optimizer.step`, the scheduler and `model.zero_grad`,
+in the order `Trainer._run_epoch` calls them, for three optimizer steps of K micro-batches. The
+loop itself (`_inner_training_loop` / `_run_epoch`: callbacks, logging, the dataloader) is
+re-stated here, not run: it holds nothing on the device but the K micro-batches and the running
+loss, which are made here the same way.
+
+What differs from a CUDA run, and is stood in for (`MetaRules`):
+- the model stays on the meta device (`place_model_on_device` off, the accelerator built with
+  `use_cpu=True` so that it never asks for a GPU), the micro-batches are moved to it;
+- accelerate's autocast context is CUDA's (`KernelRules.autocast`), not the CPU's that it picks;
+- fused AdamW (`adamw_torch_fused`) refuses meta parameters in `_device_dtype_check_for_fused`:
+  meta is added to the devices that check accepts, and the step runs torch's real `_fused_adam`
+  path; `torch._fused_adamw_` is in place and allocates nothing (its meta kernel likewise), so the
+  state (exp_avg, exp_avg_sq, and a 0-dim fp32 `step` on the device per parameter) is all.
+Data collation's pinned CPU memory is host memory: not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from pipeline.simulate.predict import _as_config, _attention, _config_key, cached_meta_model, check_inputs
+from pipeline.step import STEPS
+from pipeline.vocabulary import check_choice, check_positive_int
+
+TRAINER_OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd")
+TRAINER_PRECISIONS = ("fp32", "bf16", "amp-bf16")
+PHASES = ("setup", "forward", "backward", "optimizer")
+
+
+def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str = "amp-bf16",
+                         optim: str = "adamw_torch_fused", gradient_accumulation: int = 1,
+                         gradient_checkpointing: bool = False, attn_implementation: str | None = None) -> dict:
+    """Predicted `torch.cuda.max_memory_allocated()` (peak_bytes) and `max_memory_reserved()`
+    (peak_reserved_bytes) of `Trainer.train()` for three optimizer steps (client = trainer), the
+    cuBLAS workspaces of an earlier point in the process included, as `predict_peak` counts them.
+    Also: components (bytes by role at the peak), phase_peaks, peak_phase, optimizer_state_bytes,
+    peak_reserved_expandable_bytes, seconds."""
+    start = time.perf_counter()
+    check_inputs(batch_size, seq_len, precision, "adamw", gradient_checkpointing, attn_implementation, "standard")
+    check_choice("precision", precision, TRAINER_PRECISIONS)
+    check_choice("optim", optim, TRAINER_OPTIMS)
+    check_positive_int("gradient_accumulation", gradient_accumulation)
+    config = _as_config(config)
+    model = cached_meta_model(_config_key(config), precision, _attention(attn_implementation))
+    result = simulate_trainer(model, batch_size, seq_len, precision, optim, gradient_accumulation,
+                              gradient_checkpointing)
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim: str, gradient_accumulation: int,
+                     gradient_checkpointing: bool, device_type: str = "meta", steps: int = STEPS) -> dict:
+    """Run the Trainer's steps on `model` (on `device_type`) under the tracker; `device_type="cpu"`
+    with real weights runs the same code for real (the tests compare both)."""
+    import torch
+
+    from pipeline.simulate.allocator import CachingAllocator, ExpandableSegments, Fanout
+    from pipeline.simulate.kernels import CUBLAS_WORKSPACES, host_outputs, workspace_rules
+    from pipeline.simulate.rules import KernelRules
+    from pipeline.simulate.stand_ins import UniformValues, scalar_stand_ins
+    from pipeline.simulate.tracker import LiveBytesTracker
+
+    meta = device_type == "meta"
+    rules = KernelRules(device_type)
+    reserved = Fanout([CachingAllocator(), ExpandableSegments()])
+    tracker = LiveBytesTracker(device_type, workspace_rules(), scalar_stand_ins() if meta else None,
+                               UniformValues() if meta else None, CachingAllocator(), host_outputs(), reserved)
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        tracker.track(tensor, "parameters")
+    workspaces = [torch.empty(size, dtype=torch.uint8, device=device_type) for size in CUBLAS_WORKSPACES]
+    for workspace in workspaces:
+        tracker.track(workspace, "activations")
+    run = TrainerRun(model, batch_size, seq_len, precision, optim, gradient_accumulation, gradient_checkpointing,
+                     device_type, rules, tracker)
+    try:
+        with rules, tracker, fused_on(device_type):
+            run.setup()
+            for _ in range(steps):
+                run.step()
+            tracker.phase = None
+        state = run.optimizer_state()
+    finally:
+        run.close()
+    peaks = tracker.peaks
+    phase_peaks = {phase: peaks[phase].total for phase in PHASES if phase in peaks}
+    top = max(phase_peaks, key=phase_peaks.get)
+    components = dict(peaks[top].parts)
+    return {"peak_bytes": peaks["total"].total, "components": components, "peak_phase": top,
+            "phase_peaks": phase_peaks, "optimizer_state_bytes": state,
+            "peak_reserved_bytes": reserved.allocators[0].reserved,
+            "peak_reserved_expandable_bytes": reserved.allocators[1].reserved}
+
+
+@contextlib.contextmanager
+def fused_on(device_type: str):
+    """torch's fused optimizers accept parameters of `device_type` (the check reads this list)."""
+    from torch.optim import optimizer as optimizer_module
+
+    original = optimizer_module._get_fused_kernels_supported_devices
+    optimizer_module._get_fused_kernels_supported_devices = lambda: [*original(), device_type]
+    try:
+        yield
+    finally:
+        optimizer_module._get_fused_kernels_supported_devices = original
+
+
+class TrainerRun:
+    """One Trainer on `model` and the state of its loop (`Trainer._run_epoch`), step by step."""
+
+    def __init__(self, model, batch_size, seq_len, precision, optim, gradient_accumulation, gradient_checkpointing,
+                 device_type, rules, tracker):
+        from pipeline.simulate.trainer_parts import meta_trainer
+
+        self.model, self.device_type, self.rules, self.tracker = model, device_type, rules, tracker
+        self.batch_size, self.seq_len, self.accumulation = batch_size, seq_len, gradient_accumulation
+        self.trainer = meta_trainer(model, batch_size, precision, optim, gradient_accumulation,
+                                    gradient_checkpointing, device_type)
+        self.precision, self.checkpointing = precision, gradient_checkpointing
+        self.hooks = [model.register_forward_pre_hook(lambda *_: tracker.start_phase("forward", "activations")),
+                      model.register_forward_hook(lambda *_: tracker.start_phase("backward", "activations"))]
+        self.hooks += [p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradients"))
+                       for p in model.parameters() if p.requires_grad]
+        self.batches = None
+        self.tr_loss = None
+
+    def setup(self) -> None:
+        """`_prepare_for_training` and the start of `_inner_training_loop`."""
+        import torch
+
+        from pipeline.simulate.trainer_parts import prepare_model
+
+        self.tracker.start_phase("setup", "activations")
+        trainer = self.trainer
+        if self.checkpointing:
+            from pipeline.simulate.trainer_parts import enable_checkpointing
+
+            enable_checkpointing(trainer, self.model)
+            self.rules.wrap_checkpointing(self.model)
+        trainer.create_optimizer()
+        if self.device_type == "meta":  # CUDA's default for torch's optimizers; meta tensors have none
+            for group in trainer.optimizer.param_groups:
+                if group.get("foreach", False) is None and not group.get("fused"):
+                    group["foreach"] = True
+        prepare_model(trainer, self.model, self.rules, self.precision)
+        trainer.create_scheduler(num_training_steps=STEPS)
+        self.tr_loss = torch.tensor(0.0, device=self.device_type)
+        self.model.zero_grad()
+
+    def step(self) -> None:
+        """One optimizer step: K micro-batches, clipping, the optimizer, the scheduler, zero_grad."""
+        trainer, model = self.trainer, self.model
+        self.tracker.start_phase("setup", "activations")
+        self.batches = [self.micro_batch() for _ in range(self.accumulation)]  # get_batch_samples
+        num_items = trainer._get_num_items_in_batch(self.batches, self.device_type)
+        trainer.current_gradient_accumulation_steps = len(self.batches)
+        for index, inputs in enumerate(self.batches):
+            trainer.accelerator.gradient_state._set_sync_gradients(index == len(self.batches) - 1)
+            loss = trainer.training_step(model, inputs, num_items)
+            self.tr_loss += loss
+            del loss
+        grad_norm = trainer._clip_grad_norm(model) if trainer.args.max_grad_norm > 0 else None
+        trainer._get_grad_norm(model, grad_norm=grad_norm)
+        del grad_norm
+        self.tracker.start_phase("optimizer", "optimizer_intermediates")
+        trainer.optimizer.step()
+        for tensor in self.state_tensors():
+            self.tracker.retag(tensor, "optimizer_state")
+        trainer.lr_scheduler.step()
+        model.zero_grad()
+
+    def micro_batch(self) -> dict:
+        """A collated batch (host memory) moved to the device, as accelerate's dataloader does."""
+        import torch
+
+        from pipeline.modeling import vocabulary_size
+
+        ids = torch.randint(0, vocabulary_size(self.model), (self.batch_size, self.seq_len))
+        items = [{"input_ids": row, "labels": row} for row in ids]
+        batch = self.trainer.data_collator(items)
+        return {key: value.to(self.device_type) for key, value in batch.items()}
+
+    def state_tensors(self) -> list:
+        import torch
+
+        return [v for state in self.trainer.optimizer.state.values() for v in state.values()
+                if torch.is_tensor(v) and v.device.type == self.device_type]
+
+    def optimizer_state(self) -> int:
+        """Storage bytes of the optimizer state on the device, as the GPU client reports them."""
+        seen = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in self.state_tensors()}
+        return sum(seen.values())
+
+    def close(self) -> None:
+        from pipeline.simulate.trainer_parts import restore
+
+        for hook in self.hooks:
+            hook.remove()
+        self.batches = self.tr_loss = None
+        restore(self.model, self.trainer)
+        self.trainer = None

@@ -1,0 +1,90 @@
+"""The transformers.Trainer of `client = trainer` on a model of the meta device (imported only by
+`pipeline.simulate.trainer`'s heavy path: it imports transformers and accelerate)."""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Mapping
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from pipeline.step import STEPS
+
+
+class MetaTrainingArguments(TrainingArguments):
+    """The client's arguments; the model is not moved (it lives on the meta device)."""
+
+    @property
+    def place_model_on_device(self) -> bool:
+        return False
+
+
+class MetaTrainer(Trainer):
+    """The Trainer with its inputs placed on the model's device (accelerate's dataloader does it on
+    a GPU; here the accelerator runs on the CPU)."""
+
+    def _prepare_input(self, data):
+        if isinstance(data, Mapping):
+            return type(data)({k: self._prepare_input(v) for k, v in data.items()})
+        if isinstance(data, (tuple, list)):
+            return type(data)(self._prepare_input(v) for v in data)
+        if isinstance(data, torch.Tensor):
+            return data.to(self.simulated_device)
+        return data
+
+
+def meta_trainer(model, batch_size: int, precision: str, optim: str, gradient_accumulation: int,
+                 gradient_checkpointing: bool, device_type: str) -> MetaTrainer:
+    """`pipeline.clients.trainer.training_arguments` with use_cpu=True (the accelerator must not
+    ask for a GPU), the model left where it is."""
+    output_dir = tempfile.mkdtemp(prefix="avp-simtrainer-")
+    args = MetaTrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch_size, max_steps=STEPS,
+                                 gradient_accumulation_steps=gradient_accumulation,
+                                 bf16=precision == "amp-bf16", fp16=precision == "amp-fp16",
+                                 gradient_checkpointing=gradient_checkpointing, optim=optim,
+                                 save_strategy="no", disable_tqdm=True, use_cpu=True, report_to="none")
+    trainer = MetaTrainer(model=model, args=args)
+    trainer.simulated_device = torch.device(device_type)
+    return trainer
+
+
+def enable_checkpointing(trainer: Trainer, model) -> None:
+    """What `Trainer._inner_training_loop` does for `gradient_checkpointing=True`."""
+    gc_kwargs = dict(trainer.args.gradient_checkpointing_kwargs or {})
+    every_n_layers = gc_kwargs.pop("every_n_layers", 1)
+    offload = gc_kwargs.pop("offload", False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs or None,
+                                        every_n_layers=every_n_layers, offload=offload)
+
+
+def prepare_model(trainer: Trainer, model, rules, precision: str) -> None:
+    """accelerate's `prepare_model` without device placement, its autocast context CUDA's."""
+    import accelerate.accelerator as accelerator_module
+
+    accelerator = trainer.accelerator
+    if precision == "amp-bf16":
+        accelerator.native_amp = True  # accelerate on a CPU decides by the CPU's bf16 support
+    original = accelerator_module.get_mixed_precision_context_manager
+    accelerator_module.get_mixed_precision_context_manager = lambda *a, **k: rules.autocast(torch.bfloat16)
+    try:
+        accelerator.prepare_model(model, device_placement=False)
+    finally:
+        accelerator_module.get_mixed_precision_context_manager = original
+
+
+def restore(model, trainer) -> None:
+    """The model as built: without accelerate's wrapper of its forward, checkpointing off."""
+    for name in ("forward", "_original_forward"):
+        model.__dict__.pop(name, None)
+    if getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_disable()
+    model.zero_grad(set_to_none=True)
+    if trainer is not None:
+        with contextlib.suppress(Exception):
+            trainer.accelerator.free_memory()
+        with contextlib.suppress(OSError):
+            import shutil
+
+            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
