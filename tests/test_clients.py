@@ -59,7 +59,7 @@ def client_sweep(configs_path, tmp_path_factory):
     jobs = sweep.plan_jobs(plan, records)
     parts = tmp_path_factory.mktemp("clients") / "parts"
     outcomes = sweep.run_sweep(jobs, parts, device="cpu", child_timeout=300, log=lambda line: None)
-    assert outcomes == {"finished": 3, "error": 0, "stopped": 0, "not started": 0}
+    assert outcomes == {"finished": 3, "error": 0, "stopped": 0, "restarted": 0, "not started": 0}
     return jobs, sweep.aggregate(parts, parts.parent / "peak_memory.parquet")
 
 

@@ -163,7 +163,7 @@ def test_cpu_sweep_rows_have_every_column_typed(cpu_sweep):
     import pandas as pd
 
     jobs, parts, frame, outcomes, progress = cpu_sweep
-    assert outcomes == {"finished": 4, "error": 0, "stopped": 0, "not started": 0}
+    assert outcomes == {"finished": 4, "error": 0, "stopped": 0, "restarted": 0, "not started": 0}
     total = sum(len(job.points) for job in jobs)
     assert progress[-1].startswith(f"sweep: {total}/{total} grid points, 4/4 processes"), progress
     stored = pd.read_parquet(parts.parent / "peak_memory.parquet")
@@ -336,6 +336,25 @@ def test_a_child_without_progress_is_killed_after_the_timeout(configs_path, tmp_
     assert row["reason"] == "not measured: the child process died (no progress for 1 s (killed))"
 
 
+def stops_after_an_oom_once(job, parts_dir, *args):
+    """The first child of the job ends as a client that needs a fresh process after an oom does;
+    the next one measures the points."""
+    marker = Path(parts_dir) / "stopped-once"
+    if not marker.exists():
+        marker.write_text("1")
+        sys.exit(sweep.EXIT_FRESH_PROCESS)
+    sweep.run_job(job, parts_dir, *args)
+
+
+def test_a_child_that_asks_for_a_fresh_process_is_started_again(configs_path, tmp_path):
+    [job] = make_jobs(make_plan(grid={"batch_sizes": [1, 2], "seq_lens": [16]}), configs_path)
+    outcomes = sweep.run_sweep([job], tmp_path, device="cpu", target=stops_after_an_oom_once, log=lambda *a: None)
+    assert outcomes["restarted"] == 1 and outcomes["finished"] == 1 and outcomes["not started"] == 0
+    starts = [e for e in sweep.read_rows(tmp_path / sweep.EVENTS_FILE) if e["event"] == "child_start"]
+    assert len(starts) == 2
+    assert [row["status"] for row in sweep.read_rows(sweep.part_path(tmp_path, job))] == ["ok", "ok"]
+
+
 def cannot_set_up_the_device(job, parts_dir, *args):
     message = "device setup failed: RuntimeError: CUDA error: initialization error"
     sweep.write_current(sweep.part_path(parts_dir, job), message)
@@ -363,7 +382,7 @@ def test_two_gpu_slots_run_two_children_at_once(configs_path, tmp_path):
 def test_time_limit_launches_nothing_when_too_close_and_leaves_the_work_pending(configs_path, tmp_path):
     [job] = make_jobs(make_plan(grid={"batch_sizes": [1], "seq_lens": [16]}), configs_path)
     outcomes = sweep.run_sweep([job], tmp_path, device="cpu", time_limit=1)
-    assert outcomes == {"finished": 0, "error": 0, "stopped": 0, "not started": 1}
+    assert outcomes == {"finished": 0, "error": 0, "stopped": 0, "restarted": 0, "not started": 1}
     assert sweep.read_rows(sweep.part_path(tmp_path, job)) == []
 
 

@@ -18,6 +18,10 @@ CLIENT_MODULES = {"loop": "pipeline.clients.loop", "trainer": "pipeline.clients.
 # Trainer initialised CUDA in the parent on the H100 machine (with bitsandbytes importable), which
 # makes forked children unusable: each trainer child imports it itself.
 FORK_SAFE_IMPORTS = ("loop",)
+# Clients whose points after an out-of-memory point run in a new process. A Trainer point measured
+# right after an OOM in the same process was inflated on the H100 (Qwen3-0.6B, B=1, L=2048: 26.0 GB
+# there, 16.9 GB in a fresh process) although the allocated bytes before it were back to the weights.
+FRESH_PROCESS_AFTER_OOM = ("trainer",)
 
 
 def client_module(name: str):

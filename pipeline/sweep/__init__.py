@@ -18,7 +18,7 @@ time (`--dry-run`); `cli` is the `sweep` command. One point in this process: `pi
 """
 
 from pipeline.memory import load_model_records, model_record
-from pipeline.sweep.child import EXIT_DEADLINE, EXIT_SETUP_FAILED, fill_remaining, run_job
+from pipeline.sweep.child import EXIT_DEADLINE, EXIT_FRESH_PROCESS, EXIT_SETUP_FAILED, fill_remaining, run_job
 from pipeline.sweep.cli import DEFAULT_PLAN, add_cli, main
 from pipeline.sweep.cost import job_estimate, plan_report, point_seconds
 from pipeline.sweep.jobs import Job, Point, plan_jobs, step_flops
@@ -29,7 +29,7 @@ from pipeline.sweep.plan import (DEFAULT_ESTIMATE, Estimate, Grid, Group, Plan, 
 from pipeline.sweep.runner import run_sweep
 
 __all__ = [
-    "DEFAULT_ESTIMATE", "DEFAULT_PLAN", "EVENTS_FILE", "EXIT_DEADLINE", "EXIT_SETUP_FAILED", "Estimate", "Grid",
+    "DEFAULT_ESTIMATE", "DEFAULT_PLAN", "EVENTS_FILE", "EXIT_DEADLINE", "EXIT_FRESH_PROCESS", "EXIT_SETUP_FAILED", "Estimate", "Grid",
     "Group", "Job", "Plan", "Point", "add_cli", "aggregate", "append_row", "event", "fill_remaining", "job_estimate",
     "load_model_records", "load_plan", "main", "model_record", "oom_points", "override_plan", "parse_plan",
     "part_path", "pending_points", "plan_jobs", "plan_models", "plan_report", "point_seconds", "prune_reason",

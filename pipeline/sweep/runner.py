@@ -19,7 +19,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.sweep.child import EXIT_DEADLINE, EXIT_SETUP_FAILED, fill_remaining, run_job
+from pipeline.sweep.child import EXIT_DEADLINE, EXIT_FRESH_PROCESS, EXIT_SETUP_FAILED, fill_remaining, run_job
 from pipeline.sweep.jobs import Job
 from pipeline.sweep.parts import (current_point, event, last_progress, mark_done, part_path, pending_points,
                                   read_rows)
@@ -98,7 +98,7 @@ def run_sweep(jobs: list[Job], parts_dir, device: str = "cuda", time_limit: floa
     target = target or run_job
     free = _gpu_slots(gpus)
     running: dict = {}
-    outcomes = {"finished": 0, "error": 0, "stopped": 0, "not started": 0}
+    outcomes = {"finished": 0, "error": 0, "stopped": 0, "restarted": 0, "not started": 0}
     halted = None
     event(parts_dir, "parent_start", pid=os.getpid(), jobs=len(pending), device=device, gpus=gpus,
           process_started=process_start_time())
@@ -126,6 +126,8 @@ def run_sweep(jobs: list[Job], parts_dir, device: str = "cuda", time_limit: floa
                     event(parts_dir, "child_end", job=job.name, pid=process.pid, exitcode=process.exitcode,
                           outcome=outcome)
                     progress.report(force=True)
+                    if outcome == "restarted":
+                        pending.insert(0, job)  # its remaining points, in a new process
                     if outcome == "error" and process.exitcode == EXIT_SETUP_FAILED:
                         halted = f"{job.name}: {current_point(part_path(parts_dir, job))}"
                         log(f"sweep: stopping, a child could not set up the device ({halted})")
@@ -192,6 +194,8 @@ def _check_child(process, job, parts_dir, launched, child_timeout, deadline, ret
         return "finished"
     elif process.exitcode == EXIT_DEADLINE:
         return "stopped"
+    elif process.exitcode == EXIT_FRESH_PROCESS:
+        return "restarted"
     elif process.exitcode == EXIT_SETUP_FAILED:
         return "error"
     elif process.exitcode in (-signal.SIGTERM, -signal.SIGINT):
