@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 
-from pipeline.clients import FRESH_PROCESS_AFTER_OOM
+from pipeline.clients import ONE_POINT_PER_PROCESS
 from pipeline.memory import base_columns, finish_row, first_line, measure_point, setup_device, weights_bytes
 from pipeline.sweep.cost import build_seconds, point_seconds
 from pipeline.sweep.jobs import Job, Point, step_flops
@@ -23,7 +23,7 @@ from pipeline.sweep.plan import DEFAULT_ESTIMATE, Estimate
 
 EXIT_DEADLINE = 75  # a child that stopped before a point because the time limit was near
 EXIT_SETUP_FAILED = 76  # a child that could not set up the device: the sweep stops (systemic)
-EXIT_FRESH_PROCESS = 77  # a child that stopped after an oom whose client leaves state behind: the rest runs anew
+EXIT_FRESH_PROCESS = 77  # a child that measured its one point (ONE_POINT_PER_PROCESS): the rest runs anew
 
 
 def point_row(job: Job, point: Point, base: dict, **columns) -> dict:
@@ -137,8 +137,8 @@ def measure_points(job: Job, part, todo: list[Point], base: dict, device: str, d
         append_row(part, point_row(job, point, base, **built, **columns))
         if columns["status"] == "oom":
             ooms.setdefault(point.setting, []).append((point.batch_size, point.seq_len))
-            if job.client in FRESH_PROCESS_AFTER_OOM:
-                sys.exit(EXIT_FRESH_PROCESS)
+        if job.client in ONE_POINT_PER_PROCESS and columns["status"] in ("ok", "oom"):
+            sys.exit(EXIT_FRESH_PROCESS)  # never after a skipped or error row, which a new process would retry
         if columns["status"] == "error" and not device_healthy(device):
             fill_remaining(job, part, base, f"not measured: the CUDA context is unusable after an error at "
                            f"B={point.batch_size}, L={point.seq_len}", retry_errors=retry_errors)

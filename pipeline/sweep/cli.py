@@ -77,7 +77,7 @@ def _sweep_command(args) -> int:
     event(args.parts, "aggregated", rows=0 if frame is None else len(frame))
     left = outcomes["not started"] + outcomes["stopped"]
     print(f"sweep: {outcomes['finished']} processes finished, {outcomes['error']} failed, "
-          f"{outcomes['stopped']} stopped at the time limit, {outcomes['restarted']} restarted after an oom; {0 if frame is None else len(frame)} rows -> {args.out}"
+          f"{outcomes['stopped']} stopped at the time limit, {outcomes['restarted']} restarted for their next point; {0 if frame is None else len(frame)} rows -> {args.out}"
           + (f"; {left} processes left: rerun the same command to continue" if left else "; plan complete"))
     return 0
 
