@@ -90,18 +90,22 @@ class BlogEstimator(ClosedFormEstimator):
 
 
 @dataclass
-class HeuristicEstimator(ClosedFormEstimator):
-    coefficients: dict  # a loaded coefficient file
+class FittedEstimator(ClosedFormEstimator):
+    """A closed form whose coefficients (and reserved/allocated ratio) come from a coefficient file."""
 
-    name = "heuristic"
+    coefficients: dict  # a loaded coefficient file
 
     @property
     def ratio(self) -> dict:
         return reserved_ratio(self.coefficients)
 
     @classmethod
-    def load(cls, coefficients=None) -> HeuristicEstimator:
+    def load(cls, coefficients=None) -> FittedEstimator:
         return cls(resolve_coefficients(coefficients))
+
+
+class HeuristicEstimator(FittedEstimator):
+    name = "heuristic"
 
     def terms(self, target: Target, run: Run) -> tuple:
         """(A elements per token, activations multiplier, checkpointing factor) from the coefficient file."""
@@ -149,23 +153,12 @@ class ExactEstimator(Estimator):
                       "segments replayed)"]}, result["peak_reserved_bytes"], result["peak_reserved_expandable_bytes"])
 
 
-@dataclass
-class FormulaEstimator(ClosedFormEstimator):
+class FormulaEstimator(FittedEstimator):
     """The closed-form formula of coefficients.json v2 on a config.json dict: no torch, no transformers."""
-
-    coefficients: dict
 
     name = "formula"
     needs_config = True
     reads_facts_only = True
-
-    @property
-    def ratio(self) -> dict:
-        return reserved_ratio(self.coefficients)
-
-    @classmethod
-    def load(cls, coefficients=None) -> FormulaEstimator:
-        return cls(resolve_coefficients(coefficients))
 
     def predict(self, target: Target, run: Run) -> Estimate:
         from pipeline.features import read_facts
