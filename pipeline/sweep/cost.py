@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.clients import ONE_POINT_PER_PROCESS
 from pipeline.memory import ModelRecord
 from pipeline.step import STEPS
 from pipeline.sweep.jobs import Job, Point, step_flops
@@ -13,7 +14,8 @@ from pipeline.sweep.plan import Estimate, Plan
 
 def point_seconds(record: ModelRecord, point: Point, precision: str, estimate: Estimate) -> float:
     """Estimated seconds of one measured point: three optimizer steps of K micro-batches (compute-
-    or launch-bound) + overhead (the trainer's own on top)."""
+    or launch-bound) + overhead (the trainer's own on top; a client that measures one point per
+    process pays the process and the model's build for each)."""
     setting = point.setting
     tokens = point.batch_size * point.seq_len * setting.gradient_accumulation
     flops = step_flops(record.plan_parameters, point.batch_size, point.seq_len, setting.gradient_accumulation)
@@ -25,6 +27,8 @@ def point_seconds(record: ModelRecord, point: Point, precision: str, estimate: E
     overhead = estimate.point_overhead_seconds
     if setting.client == "trainer":
         overhead += estimate.trainer_point_overhead_seconds
+    if setting.client in ONE_POINT_PER_PROCESS:
+        overhead += estimate.process_overhead_seconds + build_seconds(record, estimate)
     return STEPS * max(compute, floor) + overhead
 
 
