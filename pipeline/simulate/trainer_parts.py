@@ -76,7 +76,9 @@ def prepare_model(trainer: Trainer, model, rules, precision: str) -> None:
 
 def restore(model, trainer) -> None:
     """The model as built: without accelerate's wrapper of its forward, checkpointing off."""
-    for name in ("forward", "_original_forward"):
+    # accelerate marks a model it prepared and never wraps it again: a second Trainer on the same
+    # model would run without its autocast (fp32 activations; the inflated consecutive points)
+    for name in ("forward", "_original_forward", "_is_accelerate_prepared"):
         model.__dict__.pop(name, None)
     if getattr(model, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_disable()
