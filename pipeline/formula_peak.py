@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pipeline.features import (FEATURES, LOSS_BACKWARD_BYTES, PER_LAYER, WORKSPACE_BYTES, attention_kernel,
                                feature_values, matmul_parameters)
-from pipeline.formulas import INTERMEDIATE_BUFFERS, STATE_BUFFERS
+from pipeline.formulas import optimizer_bytes
 from pipeline.vocabulary import WEIGHT_BYTES
 
 TERMS = list(FEATURES)
@@ -48,7 +48,8 @@ def peak_group(precision: str, checkpointing: bool) -> str:
 def fixed_bytes(parameters, precision: str, optimizer: str) -> tuple[float, float]:
     """(weights + gradients + optimizer state, optimizer intermediates) in bytes: exact from N."""
     weight = WEIGHT_BYTES[precision] * parameters
-    return weight * (2 + STATE_BUFFERS[optimizer]), weight * INTERMEDIATE_BUFFERS[optimizer]
+    state, temporaries = optimizer_bytes(optimizer, parameters, WEIGHT_BYTES[precision])
+    return weight * 2 + state, temporaries
 
 
 def amp_copies(facts, precision: str, checkpointing: bool) -> float:
@@ -75,8 +76,9 @@ def branches(facts, parameters, batch: int, seq: int, precision: str, optimizer:
     """The components of both branches (bytes), given the fitted saved bytes per token."""
     weight = WEIGHT_BYTES[precision] * parameters
     tokens = batch * seq
-    return {"parameters": weight, "gradients": weight, "optimizer_state": STATE_BUFFERS[optimizer] * weight,
-            "optimizer_intermediates": INTERMEDIATE_BUFFERS[optimizer] * weight, "workspaces": WORKSPACE_BYTES,
+    state, temporaries = optimizer_bytes(optimizer, parameters, WEIGHT_BYTES[precision])
+    return {"parameters": weight, "gradients": weight, "optimizer_state": state,
+            "optimizer_intermediates": temporaries, "workspaces": WORKSPACE_BYTES,
             "activations": tokens * saved_per_token + amp_copies(facts, precision, checkpointing),
             "loss_backward": LOSS_BACKWARD_BYTES * tokens * facts.vocab}
 

@@ -45,10 +45,35 @@ BLOG_NOTES = [
     "in the backward the gradients and the activations are alive together, which the max() leaves out.",
 ]
 
-STATE_BUFFERS = {"adamw": 2, "sgd": 1}  # AdamW: two moments; SGD with momentum: one buffer
-# Temporaries of the optimizer step, in weights: the foreach AdamW step needs about one more copy of
-# the weights; the measured SGD (momentum) step peaks at weights + momentum + gradients + ~6%.
-INTERMEDIATE_BUFFERS = {"adamw": 1, "sgd": 0}
+# The optimizers' memory, by the key `optimizer_key` gives: (state buffers in the weights' dtype,
+# weight-sized temporaries of the step, state bytes per parameter in a dtype of its own).
+OPTIMIZER_TERMS = {
+    "adamw": (2, 1, 0),  # torch's AdamW (foreach): two moments; the step needs about one more copy of the weights
+    "sgd": (1, 0, 0),  # SGD with momentum: one buffer; its step peaks at weights + momentum + gradients + ~6%
+    "adamw_torch_fused": (2, 0, 0),  # one fused kernel per parameter group: no weight-sized temporaries
+    "adafactor": (0, 0, 0),  # transformers' Adafactor (beta1=None): row and column second moments, ~0 of N
+    "sgd_no_momentum": (0, 0, 0),  # transformers' "sgd": momentum 0, no state
+    "adamw_bnb_8bit": (0, 0, 2),  # bitsandbytes: two 8-bit moments (+ a 4-byte absmax per 256 values)
+}
+# The trainer client's `optim` names whose memory is one of the loop's optimizers, or has a key of its own.
+OPTIM_KEYS = {"adamw_torch": "adamw", "sgd": "sgd_no_momentum"}
+STATE_BUFFERS = {name: OPTIMIZER_TERMS[name][0] for name in ("adamw", "sgd")}  # the loop's (coefficients.json)
+INTERMEDIATE_BUFFERS = {name: OPTIMIZER_TERMS[name][1] for name in ("adamw", "sgd")}
+
+
+def optimizer_key(client: str = "loop", optimizer: str | None = "adamw", optim: str | None = None) -> str:
+    """The OPTIMIZER_TERMS key of a run: the loop's optimizer, or the trainer's optim."""
+    if client == "loop":
+        return optimizer or "adamw"
+    return OPTIM_KEYS.get(optim, optim)
+
+
+def optimizer_bytes(key: str, parameters, weight_bytes) -> tuple[float, float]:
+    """(optimizer state, optimizer-step temporaries) in bytes for N parameters."""
+    buffers, temporaries, own_bytes = OPTIMIZER_TERMS[key]
+    return parameters * (buffers * weight_bytes + own_bytes), parameters * temporaries * weight_bytes
+
+
 # Under autocast every fp32 weight is cast to a bf16 copy that autograd keeps until backward: it
 # lives beside the activations (the saved-for-backward counts of amp-bf16 show it as ~2N bytes).
 AMP_WEIGHT_COPY_BYTES = {"amp-bf16": 2, "amp-fp16": 2}
@@ -69,7 +94,8 @@ def blog_a_bytes(parameters):
 
 def training_components(parameters, activation_elements_per_token, batch, seq, precision, optimizer="adamw",
                         activation_multiplier=1.0, checkpointing_factor=1.0) -> dict:
-    """Bytes of each term of the heuristic, in consistent units (see module docstring).
+    """Bytes of each term of the heuristic, in consistent units (see module docstring); `optimizer`
+    is an OPTIMIZER_TERMS key (`optimizer_key`).
 
     activations = multiplier x checkpointing factor x A x B x L x bytes per element, plus for
     amp-bf16 the bf16 weight copies (2 bytes x N) that autocast keeps for backward.
@@ -77,11 +103,12 @@ def training_components(parameters, activation_elements_per_token, batch, seq, p
     weight = WEIGHT_BYTES[precision]
     activations = (activation_elements_per_token * batch * seq * ACTIVATION_BYTES[precision]
                    * activation_multiplier * checkpointing_factor)
+    state, temporaries = optimizer_bytes(optimizer, parameters, weight)
     return {
         "parameters": parameters * weight,
         "gradients": parameters * weight,
-        "optimizer_state": STATE_BUFFERS[optimizer] * parameters * weight,
-        "optimizer_intermediates": INTERMEDIATE_BUFFERS[optimizer] * parameters * weight,
+        "optimizer_state": state,
+        "optimizer_intermediates": temporaries,
         "activations": activations + AMP_WEIGHT_COPY_BYTES.get(precision, 0) * parameters,
     }
 
@@ -93,7 +120,7 @@ def blog_components(parameters, batch, seq, precision, optimizer="adamw", checkp
     return {
         "parameters": parameters * p,
         "gradients": parameters * p,
-        "optimizer_state": STATE_BUFFERS[optimizer] * parameters * p,
+        "optimizer_state": optimizer_bytes(optimizer, parameters, p)[0],
         "optimizer_intermediates": parameters * p,
         "activations": activations / BLOG_CHECKPOINTING_DIVISOR if checkpointing else activations,
     }

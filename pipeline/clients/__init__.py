@@ -18,11 +18,12 @@ CLIENT_MODULES = {"loop": "pipeline.clients.loop", "trainer": "pipeline.clients.
 # Trainer initialised CUDA in the parent on the H100 machine (with bitsandbytes importable), which
 # makes forked children unusable: each trainer child imports it itself.
 FORK_SAFE_IMPORTS = ("loop",)
-# Clients whose every measured point runs in a process of its own. Trainer points measured one
-# after another in a process inflate each other on the H100 (Qwen3-0.6B: B=4, L=512 at 20.4 GB right
-# after B=1, L=512, 16.9 GB as a process's first point; B=1, L=2048 at 26.0 GB after an OOM, 16.9 GB
-# fresh), although the allocated bytes before each point are back to the weights.
-ONE_POINT_PER_PROCESS = ("trainer",)
+# Clients whose every measured point runs in a process of its own (none now). The Trainer was one
+# while consecutive Trainer points inflated each other on the H100 (Qwen3-0.6B: B=4, L=512 at
+# 20.4 GB right after B=1, L=512, 16.9 GB as a process's first point): accelerate marks a model it
+# prepared (`_is_accelerate_prepared`) and never wraps it again, so every Trainer after the first ran
+# without autocast. The trainer client's `restore` removes the mark.
+ONE_POINT_PER_PROCESS: tuple[str, ...] = ()
 
 
 def client_module(name: str):

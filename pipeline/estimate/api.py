@@ -5,7 +5,9 @@ from __future__ import annotations
 from pipeline.devices import Device
 from pipeline.estimate.estimators import ESTIMATORS, Estimator
 from pipeline.estimate.search import largest_batch, largest_seq
+from pipeline.errors import UserError
 from pipeline.estimate.targets import resolve_target
+from pipeline.estimate.training_args import read_training_args
 from pipeline.estimate.values import GIB, Run, Target
 from pipeline.estimate.verdict import judge, required_device, resolve_device
 from pipeline.vocabulary import METHODS, check_choice
@@ -18,10 +20,37 @@ def prepare(method, coefficients, model=None, config=None, params=None, active_p
     return ESTIMATORS[method].load(coefficients), target
 
 
-def estimate(model=None, config=None, params=None, *, batch, seq, precision, optimizer="adamw",
-             checkpointing=False, method="heuristic", coefficients=None, gpu=None, gpu_memory_gib=None,
-             attn_implementation=None, active_params=None, expandable_segments=False) -> dict:
-    """Peak memory of the standard training step at (batch, seq), with its components (bytes).
+def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing=None, attn_implementation=None,
+             expandable_segments=False, client=None, optim=None, gradient_accumulation=None,
+             training_args=None) -> tuple[Run, list]:
+    """The Run of the user's options, and notes. `training_args` (a TrainingArguments JSON path or
+    dict) sets the trainer client and what it names; an option given explicitly wins over it."""
+    given = {"batch": batch, "precision": precision, "checkpointing": checkpointing, "client": client,
+             "optim": optim, "gradient_accumulation": gradient_accumulation}
+    notes = []
+    if training_args is not None:
+        from_file = read_training_args(training_args)
+        notes = from_file.pop("notes")
+        given = {key: from_file.get(key) if value is None else value for key, value in given.items()}
+    if given["batch"] is None:
+        raise UserError("the batch size is required: --batch (batch=), or per_device_train_batch_size in the "
+                        "training arguments (or --max-batch-size)")
+    if given["precision"] is None:
+        raise UserError("the precision is required: --precision (precision=); training arguments set it only "
+                        "with bf16 or fp16")
+    if seq is None:
+        raise UserError("the sequence length is required: --seq (seq=)")
+    run = Run(given["batch"], seq, given["precision"], optimizer, bool(given["checkpointing"]), attn_implementation,
+              expandable_segments, given["client"] or "loop", given["optim"],
+              1 if given["gradient_accumulation"] is None else given["gradient_accumulation"])
+    return run, notes
+
+
+def estimate(model=None, config=None, params=None, *, batch=None, seq, precision=None, optimizer=None,
+             checkpointing=None, method="heuristic", coefficients=None, gpu=None, gpu_memory_gib=None,
+             attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
+             gradient_accumulation=None, training_args=None) -> dict:
+    """Peak memory of a training step at (batch, seq), with its components (bytes).
 
     Give one of `model` (registry or Hub id), `config` (config.json path, its dict, or a
     transformers config) or `params` (N; blog and heuristic only; with `active_params` for a MoE
@@ -30,12 +59,24 @@ def estimate(model=None, config=None, params=None, *, batch, seq, precision, opt
     `gpu_memory_gib` (nvidia-smi's total in GiB) the answer says whether it fits ("fits",
     "headroom_bytes"), judged on the reserved bytes plus the memory outside PyTorch;
     `expandable_segments` replays PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
+
+    The step is the standard loop's (`client="loop"`, `optimizer` adamw or sgd) or
+    transformers.Trainer's (`client="trainer"`, `optim` by its TrainingArguments name, default
+    adamw_torch_fused, `gradient_accumulation` micro-batches per step); `training_args` (a
+    TrainingArguments JSON path or dict) sets the trainer and what it names.
     """
-    run = Run(batch, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments)
+    run, notes = make_run(batch, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
+                          client, optim, gradient_accumulation, training_args)
     check_choice("method", method, METHODS)
     dev = resolve_device(gpu, gpu_memory_gib)
     estimator, target = prepare(method, coefficients, model, config, params, active_params)
-    return answer(estimator, target, run, dev)
+    return with_notes(answer(estimator, target, run, dev), notes)
+
+
+def with_notes(result: dict, notes: list) -> dict:
+    if notes:
+        result["notes"] = [*result.get("notes", []), *notes]
+    return result
 
 
 def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = None) -> dict:
@@ -45,7 +86,8 @@ def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = 
     peak = estimated.peak_bytes
     result = {"method": estimator.name, "model_id": target.model_id, "parameters": target.parameters,
               "active_parameters": target.active, "parameters_source": target.source,
-              "batch_size": run.batch, "seq_len": run.seq, "precision": run.precision, "optimizer": run.optimizer,
+              "batch_size": run.batch, "seq_len": run.seq, "precision": run.precision, "client": run.client,
+              "optimizer": run.optimizer, "optim": run.optim, "gradient_accumulation": run.gradient_accumulation,
               "checkpointing": run.checkpointing, "expandable_segments": run.expandable_segments,
               **estimated.details, "components": estimated.components, "peak_formula": estimator.peak_formula,
               "peak_bytes": peak, "peak_gib": peak / GIB,
@@ -64,23 +106,28 @@ def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = 
     return result
 
 
-def max_batch_size(model=None, config=None, params=None, *, seq, precision, gpu=None, gpu_memory_gib=None,
-                   optimizer="adamw", checkpointing=False, method="heuristic", coefficients=None,
-                   attn_implementation=None, active_params=None, expandable_segments=False) -> int:
-    """The largest batch that fits the GPU at sequence length `seq` (0: none), by the fit verdict."""
-    run = Run(1, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments)
+def max_batch_size(model=None, config=None, params=None, *, seq, precision=None, gpu=None, gpu_memory_gib=None,
+                   optimizer=None, checkpointing=None, method="heuristic", coefficients=None,
+                   attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
+                   gradient_accumulation=None, training_args=None) -> int:
+    """The largest batch that fits the GPU at sequence length `seq` (0: none), by the fit verdict;
+    the options are `estimate`'s."""
+    run, _ = make_run(1, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
+                      client, optim, gradient_accumulation, training_args)
     check_choice("method", method, METHODS)
     dev = required_device(gpu, gpu_memory_gib)
     estimator, target = prepare(method, coefficients, model, config, params, active_params)
     return largest_batch(estimator, target, run, dev)
 
 
-def max_seq_len(model=None, config=None, params=None, *, batch, precision, gpu=None, gpu_memory_gib=None,
-                optimizer="adamw", checkpointing=False, method="heuristic", coefficients=None,
-                attn_implementation=None, active_params=None, expandable_segments=False) -> int:
+def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=None, gpu=None, gpu_memory_gib=None,
+                optimizer=None, checkpointing=None, method="heuristic", coefficients=None,
+                attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
+                gradient_accumulation=None, training_args=None) -> int:
     """The longest sequence that fits the GPU at batch size `batch` (0: none), by the fit verdict,
-    at most the model's context length when its config gives one."""
-    run = Run(batch, 1, precision, optimizer, checkpointing, attn_implementation, expandable_segments)
+    at most the model's context length when its config gives one; the options are `estimate`'s."""
+    run, _ = make_run(batch, 1, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
+                      client, optim, gradient_accumulation, training_args)
     check_choice("method", method, METHODS)
     dev = required_device(gpu, gpu_memory_gib)
     estimator, target = prepare(method, coefficients, model, config, params, active_params)

@@ -6,11 +6,11 @@ import json
 
 from pipeline.devices import DEVICES
 from pipeline.errors import UserError
-from pipeline.estimate.api import answer, prepare
+from pipeline.estimate.api import answer, make_run, prepare, with_notes
 from pipeline.estimate.search import largest_batch, largest_seq
-from pipeline.estimate.values import GIB, Run
+from pipeline.estimate.values import GIB
 from pipeline.estimate.verdict import resolve_device
-from pipeline.vocabulary import METHODS, OPTIMIZERS, PRECISIONS
+from pipeline.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS
 
 
 def add_cli(subparsers) -> None:
@@ -25,9 +25,19 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--active-params", help="with --params: parameters active per token (MoE; default N)")
     parser.add_argument("--batch", type=positive_int, help="batch size B (optional with --max-batch-size)")
     parser.add_argument("--seq", type=positive_int, help="sequence length L (optional with --max-seq-len)")
-    parser.add_argument("--precision", choices=PRECISIONS, required=True)
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+    parser.add_argument("--precision", choices=PRECISIONS, default=None,
+                        help="required unless --training-args sets bf16 or fp16")
+    parser.add_argument("--client", choices=CLIENTS, default=None,
+                        help="loop: the standard step (default); trainer: transformers.Trainer")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="the loop's (default adamw)")
+    parser.add_argument("--optim", choices=OPTIMS, default=None,
+                        help="the trainer's, by its TrainingArguments name (default adamw_torch_fused)")
+    parser.add_argument("--gradient-accumulation", type=positive_int, default=None, metavar="K",
+                        help="micro-batches per optimizer step (trainer)")
+    parser.add_argument("--training-args", default=None, metavar="FILE",
+                        help="a TrainingArguments JSON (to_json_string()): the trainer client with its batch, "
+                             "accumulation, bf16/fp16, checkpointing and optim; explicit options win")
+    parser.add_argument("--checkpointing", action="store_true", default=None, help="gradient checkpointing")
     parser.add_argument("--method", choices=METHODS, default="heuristic")
     parser.add_argument("--coefficients", default=None, help=f"coefficient file (default {DEFAULT_COEFFICIENTS})")
     gpu = parser.add_mutually_exclusive_group()
@@ -48,12 +58,12 @@ def _estimate_command(args) -> int:
     searching = "--max-batch-size" if args.max_batch_size else "--max-seq-len" if args.max_seq_len else None
     if searching and args.gpu is None and args.gpu_memory is None:
         raise UserError(f"{searching} needs --gpu NAME or --gpu-memory GIB")
-    if args.batch is None and not args.max_batch_size:
-        raise UserError("--batch B is required (unless --max-batch-size)")
     if args.seq is None and not args.max_seq_len:
         raise UserError("--seq L is required (unless --max-seq-len)")
-    run = Run(args.batch or 1, args.seq or 1, args.precision, args.optimizer, args.checkpointing,
-              args.attn_implementation, args.expandable_segments)
+    batch = 1 if args.max_batch_size and args.batch is None else args.batch
+    run, notes = make_run(batch, args.seq or 1, args.precision, args.optimizer, args.checkpointing,
+                          args.attn_implementation, args.expandable_segments, args.client, args.optim,
+                          args.gradient_accumulation, args.training_args)
     dev = resolve_device(args.gpu, args.gpu_memory)
     estimator, target = prepare(args.method, args.coefficients, args.model, args.config, args.params,
                                 args.active_params)
@@ -63,7 +73,7 @@ def _estimate_command(args) -> int:
     elif args.max_seq_len:
         largest_found = largest_seq(estimator, target, run, dev)
         run = run.with_seq(args.seq or max(largest_found, 1))
-    result = answer(estimator, target, run, dev)
+    result = with_notes(answer(estimator, target, run, dev), notes)
     if args.max_batch_size:
         result["max_batch_size"] = largest_found
     elif args.max_seq_len:
@@ -73,9 +83,11 @@ def _estimate_command(args) -> int:
 
 
 def human_summary(result: dict) -> str:
+    optimizer = result["optimizer"] if result["client"] == "loop" else f"Trainer, {result['optim']}"
+    accumulation = result["gradient_accumulation"]
     lines = [f"{result['method']}: {result['peak_bytes'] / GIB:.2f} GiB peak for N = {result['parameters']:,} "
-             f"at B={result['batch_size']}, L={result['seq_len']}, {result['precision']}, {result['optimizer']}"
-             + (", checkpointing" if result["checkpointing"] else "")]
+             f"at B={result['batch_size']}, L={result['seq_len']}, {result['precision']}, {optimizer}"
+             + (f", K={accumulation}" if accumulation > 1 else "") + (", checkpointing" if result["checkpointing"] else "")]
     for name, value in (result["components"] or {}).items():
         lines.append(f"  {name:<24} {value / GIB:10.2f} GiB")
     lines.append(f"  {'peak reserved':<24} {result['peak_reserved_bytes'] / GIB:10.2f} GiB (the allocator's segments)")

@@ -82,7 +82,7 @@ class BlogEstimator(ClosedFormEstimator):
 
     def predict(self, target: Target, run: Run) -> Estimate:
         n = target.parameters
-        components = blog_components(n, run.batch, run.seq, run.precision, run.optimizer, run.checkpointing)
+        components = blog_components(n, run.batch, run.seq, run.precision, run.optimizer_key, run.checkpointing)
         return self.with_reserved(Estimate(blog_peak(components), components, {
             "activations_per_token": blog_a_bytes(n),
             "activations_per_token_unit": "fp32 bytes (as published; the formula multiplies by P again)",
@@ -126,7 +126,7 @@ class HeuristicEstimator(FittedEstimator):
     def predict(self, target: Target, run: Run) -> Estimate:
         elements, multiplier, factor = self.terms(target, run)
         components = training_components(target.parameters, elements, run.batch, run.seq, run.precision,
-                                         run.optimizer, multiplier, factor)
+                                         run.optimizer_key, multiplier, factor)
         c = self.coefficients
         note = ("activations = multiplier x A x B x L x bytes per element"
                 + (" x checkpointing factor" if run.checkpointing else "")
@@ -145,11 +145,12 @@ class ExactEstimator(Estimator):
     needs_config = True
 
     def predict(self, target: Target, run: Run) -> Estimate:
-        result = exact_peak(target.config, run.batch, run.seq, run.precision, run.optimizer, run.checkpointing,
-                            run.attn_implementation)
+        result = exact_peak(target.config, run)
+        simulator = "predict_trainer_peak (transformers.Trainer run on the meta device)" if run.client == "trainer" \
+            else "predict_peak"
         return Estimate(float(result["peak_bytes"]), result.get("components"), {
-            "activations_per_token": None, "activations_per_token_unit": None,
-            "notes": ["simulated by pipeline.simulate.predict_peak (reserved: the caching allocator's "
+            "activations_per_token": None, "activations_per_token_unit": None, "peak_phase": result.get("peak_phase"),
+            "notes": [f"simulated by pipeline.simulate.{simulator} (reserved: the caching allocator's "
                       "segments replayed)"]}, result["peak_reserved_bytes"], result["peak_reserved_expandable_bytes"])
 
 
@@ -172,7 +173,7 @@ class FormulaEstimator(FittedEstimator):
         if group not in section["peak"]:
             raise UserError(f"method 'formula': the coefficient file has no peak fit for {group}")
         result = predict_peak(section["peak"], facts, target.parameters, run.batch, run.seq, run.precision,
-                              run.optimizer, run.checkpointing, run.attn_implementation)
+                              run.optimizer_key, run.checkpointing, run.attn_implementation)
         hook = section["hook_elements"]["coefficients"]
         elements = sum(hook.get(t, 0.0) * v for t, v in hook_feature_values(facts, config).items())
         return self.with_reserved(Estimate(result["peak_bytes"], result["components"], {
@@ -192,13 +193,15 @@ def config_dict(config) -> dict:
     return config if isinstance(config, dict) else config.to_dict()
 
 
-def exact_peak(config, batch, seq, precision, optimizer, checkpointing, attn_implementation=None) -> dict:
-    """The simulator's prediction (`predict_peak`'s answer)."""
-    try:
-        from pipeline.simulate import predict_peak
-    except ModuleNotFoundError as exc:
-        if exc.name != "pipeline.simulate":
-            raise
-        raise UserError("method 'exact' needs the simulator (pipeline/simulate.py), which is not installed") from None
-    return predict_peak(config, batch_size=batch, seq_len=seq, precision=precision, optimizer=optimizer,
-                        gradient_checkpointing=checkpointing, attn_implementation=attn_implementation)
+def exact_peak(config, run: Run) -> dict:
+    """The simulator's prediction for the run's client (`predict_peak` or `predict_trainer_peak`)."""
+    if run.client == "trainer":
+        from pipeline.simulate.trainer import predict_trainer_peak
+
+        return predict_trainer_peak(config, run.batch, run.seq, run.precision, run.optim, run.gradient_accumulation,
+                                    run.checkpointing, run.attn_implementation)
+    from pipeline.simulate import predict_peak
+
+    return predict_peak(config, batch_size=run.batch, seq_len=run.seq, precision=run.precision,
+                        optimizer=run.optimizer, gradient_checkpointing=run.checkpointing,
+                        attn_implementation=run.attn_implementation)

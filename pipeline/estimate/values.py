@@ -6,31 +6,47 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pipeline.errors import UserError
-from pipeline.vocabulary import OPTIMIZERS, PRECISIONS, check_choice, check_positive_int
+from pipeline.formulas import optimizer_key
+from pipeline.step import Setting
+from pipeline.vocabulary import PRECISIONS, check_choice, check_positive_int
 
 GIB = 2**30
 
 
 @dataclass(frozen=True)
 class Run:
-    """The training step being estimated: its shape and settings."""
+    """The training step being estimated: its shape and settings. The client (`loop`: the standard
+    step; `trainer`: transformers.Trainer) takes its optimizer as `optimizer` (loop: adamw, sgd) or
+    `optim` (trainer: the TrainingArguments name, default adamw_torch_fused), as `pipeline.step.Setting`."""
 
     batch: int
     seq: int
     precision: str
-    optimizer: str = "adamw"
+    optimizer: str | None = None  # the loop's; None: adamw
     checkpointing: bool = False
     attn_implementation: str | None = None  # exact only; None: the library's default
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    client: str = "loop"
+    optim: str | None = None  # the trainer's; None: adamw_torch_fused
+    gradient_accumulation: int = 1  # micro-batches per optimizer step (trainer)
 
     def __post_init__(self):
         check_positive_int("batch", self.batch)
         check_positive_int("seq", self.seq)
         check_choice("precision", self.precision, PRECISIONS)
-        check_choice("optimizer", self.optimizer, OPTIMIZERS)
         object.__setattr__(self, "checkpointing", bool(self.checkpointing))
         if not isinstance(self.expandable_segments, bool):
             raise UserError(f"expandable_segments must be true or false, not {self.expandable_segments!r}")
+        setting = Setting("standard", self.optimizer, self.checkpointing, self.client, self.optim,
+                          self.gradient_accumulation)
+        setting.check()
+        object.__setattr__(self, "optimizer", setting.optimizer)
+        object.__setattr__(self, "optim", setting.optim)
+
+    @property
+    def optimizer_key(self) -> str:
+        """The optimizer as the formulas know it (`pipeline.formulas.OPTIMIZER_TERMS`)."""
+        return optimizer_key(self.client, self.optimizer, self.optim)
 
     def with_batch(self, batch: int) -> Run:
         return replace(self, batch=batch)

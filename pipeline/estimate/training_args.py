@@ -1,0 +1,73 @@
+"""A `transformers.TrainingArguments` JSON (as `TrainingArguments.to_json_string()` writes it) read
+as the settings of a Trainer run: `client = trainer`, its batch, accumulation, precision,
+checkpointing and optim. Read as JSON, without transformers: the formula stays torch-free."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+# Arguments that change memory in ways no estimator models: named in the answer's notes.
+UNMODELLED = {
+    "fsdp": "FSDP sharding (see --num-gpus/--sharding)",
+    "deepspeed": "DeepSpeed",
+    "torch_compile": "torch.compile",
+    "optim_args": "optimizer arguments (optim_args)",
+    "gradient_checkpointing_kwargs": "gradient checkpointing arguments",
+    "torch_empty_cache_steps": "torch_empty_cache_steps",
+}
+
+
+def read_training_args(source) -> dict:
+    """The run settings a TrainingArguments JSON file (path) or dict gives: client, batch,
+    gradient_accumulation, precision (amp-bf16 for bf16, amp-fp16 for fp16, else None: the weights'
+    dtype decides), checkpointing, optim, and notes on what is not modelled."""
+    args = _load(source)
+    if args.get("bf16") and args.get("fp16"):
+        raise UserError(f"{_label(source)}: bf16 and fp16 are both true")
+    precision = "amp-bf16" if args.get("bf16") else "amp-fp16" if args.get("fp16") else None
+    settings = {"client": "trainer", "batch": _int(args, "per_device_train_batch_size", source),
+                "gradient_accumulation": _int(args, "gradient_accumulation_steps", source),
+                "precision": precision, "checkpointing": bool(args.get("gradient_checkpointing", False)),
+                "optim": _optim(args.get("optim"))}
+    settings["notes"] = [f"training args: {what} is not modelled" for key, what in UNMODELLED.items()
+                         if args.get(key) not in (None, False, "", [], {})]
+    return {key: value for key, value in settings.items() if value is not None}
+
+
+def _load(source) -> dict:
+    if isinstance(source, dict):
+        return source
+    path = Path(source)
+    try:
+        args = json.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the training arguments ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: not a TrainingArguments JSON ({exc})") from None
+    if not isinstance(args, dict):
+        raise UserError(f"{path}: not a TrainingArguments JSON (an object is expected)")
+    return args
+
+
+def _label(source) -> str:
+    return "training args" if isinstance(source, dict) else str(source)
+
+
+def _int(args: dict, key: str, source) -> int | None:
+    value = args.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"{_label(source)}: {key} must be a positive integer, not {value!r}")
+    return value
+
+
+def _optim(value):
+    """TrainingArguments writes the OptimizerNames enum as its value string."""
+    if value is None:
+        return None
+    text = str(value)
+    return text.removeprefix("OptimizerNames.").lower() if text.startswith("OptimizerNames.") else text
