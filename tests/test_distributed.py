@@ -74,3 +74,42 @@ def test_bad_arguments_raise_user_error(kwargs, message):
 
     with pytest.raises(UserError, match=message):
         predict_distributed_peak(TINY_LLAMA, 2, 24, "fp32", **kwargs)
+
+
+# ----------------------------------------------------------------------------- the GPU sweep's plan
+
+
+def test_distributed_plan_names_registry_models_that_do_not_fit_one_gpu():
+    """config/sweep_distributed.yaml: 8+ models with configs, 13B-34B among them, N in 2, 4, 8, ddp and fsdp."""
+    from pathlib import Path
+
+    from pipeline.clients.distributed import groups, read_plan
+    from pipeline.configs import read_config_records
+
+    repo = Path(__file__).resolve().parent.parent
+    plan = read_plan(repo / "config" / "sweep_distributed.yaml")
+    records = read_config_records(repo / "results" / "configs.json")
+    assert len(plan["models"]) >= 8 and all(records[m]["status"] == "ok" for m in plan["models"])
+    assert {"meta-llama/Llama-2-13b-hf", "codellama/CodeLlama-34b-hf"} <= set(plan["models"])
+    assert {"ddp", "fsdp"} <= set(plan["shardings"]) and set(plan["num_gpus"]) == {2, 4, 8}
+    assert {g["num_gpus"] for g in groups(plan, gpus=4)} == {2, 4}
+    assert len(groups(plan)) == len(plan["models"]) * 3 * len(plan["shardings"]) * len(plan["precisions"])
+
+
+def test_distributed_dry_run_prints_one_torchrun_per_group(tmp_path):
+    import subprocess
+    import sys
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("models: [Qwen/Qwen2.5-0.5B]\nnum_gpus: [2, 4]\nshardings: [fsdp]\n"
+                    "grid: {batch_sizes: [1], seq_lens: [512, 2048]}\n")
+    result = subprocess.run([sys.executable, "-m", "pipeline.clients.distributed", "--plan", str(plan), "--dry-run"],
+                            capture_output=True, text=True, timeout=120)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and len(lines) == 2
+    assert "--nproc-per-node=2" in lines[0] and "--points 1:512,1:2048" in lines[0] and "--sharding fsdp" in lines[0]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [x]\nshardings: [zero3]\ngrid: {batch_sizes: [1], seq_lens: [8]}\n")
+    result = subprocess.run([sys.executable, "-m", "pipeline.clients.distributed", "--plan", str(bad), "--dry-run"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == "error: sharding 'zero3' is not one of ddp, fsdp, fsdp-no-reshard"

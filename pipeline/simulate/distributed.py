@@ -44,6 +44,8 @@ def predict_distributed_peak(config, batch_size: int, seq_len: int, precision: s
     start = time.perf_counter()
     check_inputs(batch_size, seq_len, precision, optimizer, gradient_checkpointing, attn_implementation, "standard")
     check_sharding(num_gpus, sharding)
+    if precision == "amp-fp16":
+        raise UserError("amp-fp16 (a gradient scaler over sharded gradients) is not simulated under ddp or fsdp yet")
     config = _as_config(config)
     try:
         model = build(config, precision, _attention(attn_implementation) or "default", device="meta")
