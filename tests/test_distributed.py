@@ -23,13 +23,19 @@ def simulate(num_gpus: int, sharding: str, **kwargs) -> dict:
                                     attn_implementation="eager", **kwargs)
 
 
-@pytest.mark.parametrize("num_gpus, shardings", [(2, ("ddp", "fsdp", "fsdp-no-reshard")), (4, ("ddp", "fsdp"))])
-def test_simulation_equals_real_gloo_run_on_the_cpu(num_gpus, shardings):
+@pytest.mark.parametrize("num_gpus, shardings, precision, checkpointing", [
+    (2, ("ddp", "fsdp", "fsdp-no-reshard"), "bf16", True),
+    (4, ("ddp", "fsdp"), "fp32", False),
+])
+def test_simulation_equals_real_gloo_run_on_the_cpu(num_gpus, shardings, precision, checkpointing):
+    """Also checked by hand, equal likewise: fp32/bf16/amp-bf16 with and without checkpointing at
+    N = 2, and a tiny gpt2 (tied embeddings, dropout)."""
     from pipeline.simulate.distributed_check import run_cpu_check
 
-    real = run_cpu_check(TINY_LLAMA, num_gpus, shardings)
+    real = run_cpu_check(TINY_LLAMA, num_gpus, shardings, precision=precision,
+                         gradient_checkpointing=checkpointing)
     for sharding in shardings:
-        simulated = simulate(num_gpus, sharding)
+        simulated = simulate(num_gpus, sharding, precision=precision, gradient_checkpointing=checkpointing)
         for key in COMPARED:
             assert simulated[key] == real[sharding][key], (sharding, key)
         assert real[sharding]["peak_bytes"] > 0

@@ -1,6 +1,6 @@
 """The CPU check of the sharded simulation: a real multi-process run on the CPU.
 
-`run_cpu_check` spawns N processes (torch.multiprocessing, the gloo backend), each builds the
+`run_cpu_check` starts N processes (torch.multiprocessing, the gloo backend), each builds the
 model with random weights on the CPU, shards it (`distributed_world.shard`, the same call as the
 simulation) and runs the standard step three times under the same live-byte tracker as the
 simulator, in `device_type="cpu"` mode (`distributed_step.simulate_sharded_step`). Rank 0's
@@ -26,18 +26,25 @@ from pathlib import Path
 
 
 def run_cpu_check(config: dict, num_gpus: int, shardings=("ddp", "fsdp"), batch_size: int = 2, seq_len: int = 24,
-                  precision: str = "fp32", attn_implementation: str = "eager") -> dict:
+                  precision: str = "fp32", attn_implementation: str = "eager",
+                  gradient_checkpointing: bool = False) -> dict:
     """Rank 0's result of `simulate_sharded_step` on the CPU, per sharding: {sharding: result}.
 
     `config`: a config.json dict (a small model: the weights are real). One spawn of `num_gpus`
     processes runs every sharding in turn, each on a freshly built model."""
     import torch.multiprocessing as mp
 
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build
+
+    build(config_from_dict(config), precision, attn_implementation, device="meta")  # imports, before the fork
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "rank0.json"
         args = (num_gpus, _free_port(), config, list(shardings), batch_size, seq_len, precision,
-                attn_implementation, str(out))
-        mp.spawn(_worker, args=args, nprocs=num_gpus, join=True)
+                attn_implementation, gradient_checkpointing, str(out))
+        # forked from this process, which has torch and transformers imported already (a spawned
+        # process would import them again: seconds each on a small machine)
+        mp.start_processes(_worker, args=args, nprocs=num_gpus, join=True, start_method="fork")
         return json.loads(out.read_text())
 
 
@@ -73,7 +80,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, config: dict, shardings: list, batch_size: int, seq_len: int,
-            precision: str, attn_implementation: str, out: str) -> None:
+            precision: str, attn_implementation: str, gradient_checkpointing: bool, out: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -93,6 +100,7 @@ def _worker(rank: int, world_size: int, port: int, config: dict, shardings: list
             model = build(config_from_dict(config), precision, attn_implementation, device="cpu")
             with detached_collectives():
                 results[sharding] = simulate_sharded_step(model, sharding, mesh, batch_size, seq_len, precision,
+                                                          gradient_checkpointing=gradient_checkpointing,
                                                           device_type="cpu")
             dist.barrier()
         if rank == 0:
