@@ -33,8 +33,10 @@ def predict_distributed_peak(config, batch_size: int, seq_len: int, precision: s
 
     Returns peak_bytes, components (bytes by role at the peak: parameters (this rank's shards),
     unsharded_parameters, all_gather, reduce_scatter, ddp_buckets, gradients, optimizer_state,
-    optimizer_intermediates, activations), peak_phase, phase_peaks, peak_reserved_bytes,
-    peak_reserved_expandable_bytes, num_gpus, sharding and seconds.
+    optimizer_intermediates, activations), peak_phase, phase_peaks, phase_components (the roles at
+    each phase's peak), peak_reserved_bytes, peak_reserved_expandable_bytes (one-stream replays of
+    the caching allocator: FSDP2's own streams on CUDA are not replayed), num_gpus, sharding and
+    seconds. amp-fp16 (its gradient scaler) is refused.
     """
     from pipeline.modeling import build
     from pipeline.simulate.distributed_step import simulate_sharded_step
