@@ -1,0 +1,109 @@
+"""The CPU check of the sharded simulation: a real multi-process run on the CPU.
+
+`run_cpu_check` starts N processes (torch.multiprocessing, the gloo backend), each builds the
+model with random weights on the CPU, shards it (`distributed_world.shard`, the same call as the
+simulation) and runs the standard step three times under the same live-byte tracker as the
+simulator, in `device_type="cpu"` mode (`distributed_step.simulate_sharded_step`). Rank 0's
+result is returned; the simulation (`predict_distributed_peak`, one process, fake process
+group, meta tensors) must reproduce it byte for byte.
+
+Gloo runs each collective on a worker thread, which drops its reference to the tensors a moment
+after the caller has been told that the collective is done: FSDP2's all-gather outputs were then
+at times freed by that thread, after the caller had let them go, and the peaks varied from run to
+run. The check runs FSDP2's two collectives (`all_gather_single`, `reduce_scatter_single`) on
+copies made outside the tracker (`detached_collectives`), so that the buffers live exactly as long
+as FSDP2's code keeps them, as on rank 0 of the fake process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+
+def run_cpu_check(config: dict, num_gpus: int, shardings=("ddp", "fsdp"), batch_size: int = 2, seq_len: int = 24,
+                  precision: str = "fp32", attn_implementation: str = "eager",
+                  gradient_checkpointing: bool = False) -> dict:
+    """Rank 0's result of `simulate_sharded_step` on the CPU, per sharding: {sharding: result}.
+
+    `config`: a config.json dict (a small model: the weights are real). One spawn of `num_gpus`
+    processes runs every sharding in turn, each on a freshly built model."""
+    import torch.multiprocessing as mp
+
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build
+
+    build(config_from_dict(config), precision, attn_implementation, device="meta")  # imports, before the fork
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory) / "rank0.json"
+        args = (num_gpus, _free_port(), config, list(shardings), batch_size, seq_len, precision,
+                attn_implementation, gradient_checkpointing, str(out))
+        # forked from this process, which has torch and transformers imported already (a spawned
+        # process would import them again: seconds each on a small machine)
+        mp.start_processes(_worker, args=args, nprocs=num_gpus, join=True, start_method="fork")
+        return json.loads(out.read_text())
+
+
+@contextlib.contextmanager
+def detached_collectives():
+    """FSDP2's all-gather and reduce-scatter run on untracked copies (see the module docstring)."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+
+    def run(name, output, input, **kwargs):
+        kwargs.pop("async_op", None)
+        with _disable_current_modes():
+            copy_out, copy_in = output.clone(), input.clone()
+            originals[name](copy_out, copy_in, **kwargs)
+            output.copy_(copy_out)
+
+    dist.all_gather_single = lambda output_tensor, input_tensor, **kw: run(
+        "all_gather_single", output_tensor, input_tensor, **kw)
+    dist.reduce_scatter_single = lambda output, input, **kw: run("reduce_scatter_single", output, input, **kw)
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, config: dict, shardings: list, batch_size: int, seq_len: int,
+            precision: str, attn_implementation: str, gradient_checkpointing: bool, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build
+    from pipeline.simulate.distributed_step import simulate_sharded_step
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        results = {}
+        for sharding in shardings:
+            torch.manual_seed(0)
+            model = build(config_from_dict(config), precision, attn_implementation, device="cpu")
+            with detached_collectives():
+                results[sharding] = simulate_sharded_step(model, sharding, mesh, batch_size, seq_len, precision,
+                                                          gradient_checkpointing=gradient_checkpointing,
+                                                          device_type="cpu")
+            dist.barrier()
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
