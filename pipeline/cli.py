@@ -22,6 +22,7 @@ STAGE_MODULES = (
     "pipeline.fit",
     "pipeline.estimate",
     "pipeline.validate",
+    "pipeline.validate_settings",
     "pipeline.dataset",
     "pipeline.figures",
     "pipeline.publish",

@@ -15,7 +15,7 @@ LAYERS = {
     "measuring": ("step", "autocast", "activations", "clients", "memory", "sweep", "simulate"),
     "knowledge": ("devices", "formulas", "features", "hook_features", "coefficients", "formula_fit", "formula_peak",
                   "formula_regression", "line_fit", "peak_constants", "fit"),
-    "answers": ("estimate", "validate"),
+    "answers": ("estimate", "validate", "validate_settings"),
     "outputs": ("figures", "dataset", "publish"),
     "entry": ("cli", "__main__", "__init__"),
 }
