@@ -113,6 +113,26 @@ def training_components(parameters, activation_elements_per_token, batch, seq, p
     }
 
 
+def shard_components(components: dict, num_gpus: int = 1, sharding: str | None = None) -> dict:
+    """One GPU's components under `sharding` of `num_gpus` (closed forms; the exact estimator runs
+    the real DDP / FSDP2 code): ddp keeps whole weights, state and gradients plus the gradient
+    buckets allreduce reads (a second copy of the gradients); fsdp shards weights, gradients, state
+    and the step's temporaries N ways; fsdp-no-reshard also keeps the gathered weights from the
+    forward to the backward, beside the activations. FSDP's all-gather buffers of the layers in
+    flight (a layer or two) are left out."""
+    if sharding is None:
+        return components
+    parts = dict(components)
+    if sharding == "ddp":
+        parts["gradients"] *= 2
+        return parts
+    for name in ("parameters", "gradients", "optimizer_state", "optimizer_intermediates"):
+        parts[name] = components[name] / num_gpus
+    if sharding == "fsdp-no-reshard":
+        parts["activations"] += components["parameters"] * (1 - 1 / num_gpus)
+    return parts
+
+
 def blog_components(parameters, batch, seq, precision, optimizer="adamw", checkpointing=False) -> dict:
     """The blog's terms exactly as published (A already in fp32 bytes, times P again)."""
     p = BLOG_P[precision]

@@ -17,3 +17,13 @@ PEAK_PARTS = "results/peak_memory_parts"
 SIMULATED = "results/simulated.parquet"
 COEFFICIENTS = "results/coefficients.json"
 VALIDATION = "results/validation.parquet"
+
+# The training settings beyond the standard step (Trainer, amp-fp16, optimizers, adapters): one
+# measured table per GPU and plan, with its split (held-out rows are never tuned on).
+SETTINGS_TABLES = {
+    "results/trainer/h100/peak_memory.parquet": "tuned",
+    "results/trainer_heldout/h100/peak_memory.parquet": "held-out",
+}
+SETTINGS_SIMULATED = "results/settings_simulated.parquet"
+SETTINGS_VALIDATION = "results/settings_validation.parquet"
+SETTINGS_SUMMARY = "results/settings_validation.md"

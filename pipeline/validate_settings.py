@@ -25,16 +25,9 @@ from pipeline.devices import context_bytes
 from pipeline.errors import UserError
 from pipeline.estimate.estimators import BlogEstimator, ExactEstimator, FormulaEstimator, HeuristicEstimator
 from pipeline.estimate.values import Estimate, Run, Target
+from pipeline.paths import SETTINGS_SIMULATED, SETTINGS_SUMMARY, SETTINGS_TABLES, SETTINGS_VALIDATION
 from pipeline.validate import _predicted, error_summary
 
-# The measured tables of the training settings and their split.
-SETTINGS_TABLES = {
-    "results/trainer/h100/peak_memory.parquet": "tuned",
-    "results/trainer_heldout/h100/peak_memory.parquet": "held-out",
-}
-SETTINGS_SIMULATED = "results/settings_simulated.parquet"
-SETTINGS_VALIDATION = "results/settings_validation.parquet"
-SETTINGS_SUMMARY = "results/settings_validation.md"
 ESTIMATORS = ("blog", "heuristic", "formula", "exact")
 SETTING_KEY = ("model_id", "precision", "client", "optim", "optimizer", "gradient_accumulation",
                "gradient_checkpointing", "batch_size", "seq_len")
@@ -234,11 +227,13 @@ def add_cli(subparsers) -> None:
 
     tables = ", ".join(f"{path} ({split})" for path, split in SETTINGS_TABLES.items())
     simulate = subparsers.add_parser("simulate-settings", help="the simulator at every measured training-settings point")
+    simulate.add_argument("--tables", nargs="*", metavar="PATH[=SPLIT]", help=f"default: {tables}")
     simulate.add_argument("--configs", default=CONFIGS)
     simulate.add_argument("--out", default=SETTINGS_SIMULATED)
     simulate.set_defaults(handler=_simulate_command)
     validate = subparsers.add_parser("validate-settings",
                                      help=f"every estimator against the measured training settings ({tables})")
+    validate.add_argument("--tables", nargs="*", metavar="PATH[=SPLIT]", help=f"default: {tables}")
     validate.add_argument("--coefficients", default=COEFFICIENTS)
     validate.add_argument("--configs", default=CONFIGS)
     validate.add_argument("--simulated", default=SETTINGS_SIMULATED, help="simulate-settings' table ('' for none)")
@@ -247,7 +242,10 @@ def add_cli(subparsers) -> None:
     validate.set_defaults(handler=_validate_command)
 
 
-def _present_tables() -> dict:
+def _tables(paths: list | None) -> dict:
+    """The tables given (PATH or PATH=SPLIT), else the committed ones present."""
+    if paths:
+        return dict((p.split("=", 1) + ["tuned"])[:2] for p in paths)
     found = {path: split for path, split in SETTINGS_TABLES.items() if Path(path).is_file()}
     if not found:
         raise UserError(f"no training-settings table found ({', '.join(SETTINGS_TABLES)})")
@@ -255,14 +253,14 @@ def _present_tables() -> dict:
 
 
 def _simulate_command(args) -> int:
-    table = run_simulate_settings(_present_tables(), args.configs, args.out)
+    table = run_simulate_settings(_tables(args.tables), args.configs, args.out)
     print(f"simulate-settings: {len(table)} settings, {int((table['simulate_status'] != 'ok').sum())} failed "
           f"-> {args.out}")
     return 0
 
 
 def _validate_command(args) -> int:
-    summary = run_validate_settings(_present_tables(), args.coefficients, args.configs, args.simulated or None,
+    summary = run_validate_settings(_tables(args.tables), args.coefficients, args.configs, args.simulated or None,
                                     args.out, args.summary)
     print(summary_markdown(summary), end="")
     print(f"validate-settings: -> {args.out}")

@@ -29,6 +29,8 @@ OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adamw_bnb_8bi
 OPTIM_OF_LOOP_OPTIMIZER = {"adamw": "adamw_torch", "sgd": None}
 # loop: the standard training step; trainer: transformers.Trainer (docs/definitions.md)
 CLIENTS = ("loop", "trainer")
+# Several GPUs: DDP, FSDP2 fully_shard per decoder layer and the root (resharded after forward, or not)
+SHARDINGS = ("ddp", "fsdp", "fsdp-no-reshard")
 VARIANTS = ("standard", "blog")  # blog: the blog's own loop, loss = mean(logits)
 ATTENTIONS = ("default", "eager")  # as requested; default: the library's choice (sdpa)
 STATUSES = ("ok", "oom", "skipped", "error")

@@ -13,7 +13,8 @@ from snakemake.utils import validate
 from pipeline.configs import read_config_records
 from pipeline.dataset import failure_report
 from pipeline.figures import expected_figures
-from pipeline.paths import ACTIVATIONS, COEFFICIENTS, CONFIGS, MODELS, PEAKS, SIMULATED, VALIDATION
+from pipeline.paths import (ACTIVATIONS, COEFFICIENTS, CONFIGS, MODELS, PEAKS, SETTINGS_SIMULATED, SETTINGS_SUMMARY,
+                            SETTINGS_TABLES, SETTINGS_VALIDATION, SIMULATED, VALIDATION)
 from pipeline.registry import SCHEMA_PATH as REGISTRY_SCHEMA
 from pipeline.registry import safe_name, validate_registry_data
 
@@ -142,10 +143,17 @@ def figure_path(name):
     return f"results/figures/{name}.png"
 
 
+# The measured training-settings tables (committed; measured with `sweep --plan config/sweep_trainer*.yaml`).
+SETTINGS_PRESENT = [path for path in SETTINGS_TABLES if Path(path).exists()]
+HAVE_SETTINGS = bool(SETTINGS_PRESENT) and (SIMULATE == "run" or Path(SETTINGS_SIMULATED).exists())
+
+
 def final_outputs():
     outputs = [DATASET_CARD, PUBLISH_MANIFEST] + [figure_path(name) for name in FIGURES]
     if HAVE_PEAKS:
         outputs.append(VALIDATION)
+    if HAVE_SETTINGS:
+        outputs.append(SETTINGS_VALIDATION)
     return outputs
 
 

@@ -18,3 +18,19 @@ if SIMULATE == "run":
         shell:
             "python -m pipeline simulate-peaks --peaks {input.peaks:q} --configs {input.configs:q}"
             " --out {output.simulated:q} --workers {threads} > {log:q} 2>&1"
+
+    rule simulate_settings:
+        input:
+            tables=SETTINGS_PRESENT,
+            configs=CONFIGS,
+        output:
+            simulated=SETTINGS_SIMULATED,
+        log:
+            "logs/simulate_settings.log",
+        conda:
+            "../envs/pipeline.yaml"
+        params:
+            tables=lambda wildcards, input: " ".join(f"{path}={SETTINGS_TABLES[path]}" for path in input.tables),
+        shell:
+            "python -m pipeline simulate-settings --tables {params.tables} --configs {input.configs:q}"
+            " --out {output.simulated:q} > {log:q} 2>&1"

@@ -32,9 +32,8 @@ from pathlib import Path
 from pipeline.errors import UserError
 from pipeline.paths import CONFIGS
 from pipeline.step import STEPS, Setting, make_optimizer, set_training_mode, token_ids, training_loss, zero_grad
-from pipeline.vocabulary import PRECISIONS, check_choice
+from pipeline.vocabulary import PRECISIONS, SHARDINGS, check_choice
 
-SHARDINGS = ("ddp", "fsdp", "fsdp-no-reshard")
 DISTRIBUTED_COLUMNS = ("num_gpus", "sharding")
 PLAN_KEYS = {"models", "precisions", "num_gpus", "shardings", "grid", "configs", "timeout_seconds"}
 

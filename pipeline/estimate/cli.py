@@ -10,7 +10,7 @@ from pipeline.estimate.api import answer, make_run, prepare, with_notes
 from pipeline.estimate.search import largest_batch, largest_seq
 from pipeline.estimate.values import GIB
 from pipeline.estimate.verdict import resolve_device
-from pipeline.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS
+from pipeline.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, SHARDINGS
 
 
 def add_cli(subparsers) -> None:
@@ -38,6 +38,10 @@ def add_cli(subparsers) -> None:
                         help="a TrainingArguments JSON (to_json_string()): the trainer client with its batch, "
                              "accumulation, bf16/fp16, checkpointing and optim; explicit options win")
     parser.add_argument("--checkpointing", action="store_true", default=None, help="gradient checkpointing")
+    parser.add_argument("--num-gpus", type=positive_int, default=1, metavar="N",
+                        help="GPUs of a data-parallel run (with --sharding; --batch is per GPU)")
+    parser.add_argument("--sharding", choices=SHARDINGS, default=None,
+                        help="ddp, or FSDP2 per decoder layer and the root (fsdp: resharded after forward)")
     parser.add_argument("--method", choices=METHODS, default="heuristic")
     parser.add_argument("--coefficients", default=None, help=f"coefficient file (default {DEFAULT_COEFFICIENTS})")
     gpu = parser.add_mutually_exclusive_group()
@@ -63,7 +67,7 @@ def _estimate_command(args) -> int:
     batch = 1 if args.max_batch_size and args.batch is None else args.batch
     run, notes = make_run(batch, args.seq or 1, args.precision, args.optimizer, args.checkpointing,
                           args.attn_implementation, args.expandable_segments, args.client, args.optim,
-                          args.gradient_accumulation, args.training_args)
+                          args.gradient_accumulation, args.training_args, args.num_gpus, args.sharding)
     dev = resolve_device(args.gpu, args.gpu_memory)
     estimator, target = prepare(args.method, args.coefficients, args.model, args.config, args.params,
                                 args.active_params)
@@ -87,7 +91,8 @@ def human_summary(result: dict) -> str:
     accumulation = result["gradient_accumulation"]
     lines = [f"{result['method']}: {result['peak_bytes'] / GIB:.2f} GiB peak for N = {result['parameters']:,} "
              f"at B={result['batch_size']}, L={result['seq_len']}, {result['precision']}, {optimizer}"
-             + (f", K={accumulation}" if accumulation > 1 else "") + (", checkpointing" if result["checkpointing"] else "")]
+             + (f", K={accumulation}" if accumulation > 1 else "") + (", checkpointing" if result["checkpointing"] else "")
+             + (f", one of {result['num_gpus']} GPUs ({result['sharding']})" if result["sharding"] else "")]
     for name, value in (result["components"] or {}).items():
         lines.append(f"  {name:<24} {value / GIB:10.2f} GiB")
     lines.append(f"  {'peak reserved':<24} {result['peak_reserved_bytes'] / GIB:10.2f} GiB (the allocator's segments)")

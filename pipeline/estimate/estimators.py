@@ -9,7 +9,7 @@ from pipeline.errors import UserError
 from pipeline.estimate.values import Estimate, Run, Target
 from pipeline.formulas import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, BLOG_NOTES, BLOG_P, OUTSIDE_MAX,
                                PEAK_FORMULAS, blog_a_bytes, blog_components, blog_peak, heuristic_peak,
-                               training_components)
+                               shard_components, training_components)
 
 # Expandable segments map 20 MiB pages (large pool) and 2 MiB pages (small pool): a closed form's
 # reserved bytes are its peak plus at most one partly used page of each.
@@ -82,7 +82,8 @@ class BlogEstimator(ClosedFormEstimator):
 
     def predict(self, target: Target, run: Run) -> Estimate:
         n = target.parameters
-        components = blog_components(n, run.batch, run.seq, run.precision, run.optimizer_key, run.checkpointing)
+        components = shard_components(blog_components(n, run.batch, run.seq, run.precision, run.optimizer_key,
+                                                      run.checkpointing), run.num_gpus, run.sharding)
         return self.with_reserved(Estimate(blog_peak(components), components, {
             "activations_per_token": blog_a_bytes(n),
             "activations_per_token_unit": "fp32 bytes (as published; the formula multiplies by P again)",
@@ -125,8 +126,9 @@ class HeuristicEstimator(FittedEstimator):
 
     def predict(self, target: Target, run: Run) -> Estimate:
         elements, multiplier, factor = self.terms(target, run)
-        components = training_components(target.parameters, elements, run.batch, run.seq, run.precision,
-                                         run.optimizer_key, multiplier, factor)
+        components = shard_components(training_components(target.parameters, elements, run.batch, run.seq,
+                                                          run.precision, run.optimizer_key, multiplier, factor),
+                                      run.num_gpus, run.sharding)
         c = self.coefficients
         note = ("activations = multiplier x A x B x L x bytes per element"
                 + (" x checkpointing factor" if run.checkpointing else "")
@@ -146,8 +148,9 @@ class ExactEstimator(Estimator):
 
     def predict(self, target: Target, run: Run) -> Estimate:
         result = exact_peak(target.config, run)
-        simulator = "predict_trainer_peak (transformers.Trainer run on the meta device)" if run.client == "trainer" \
-            else "predict_peak"
+        simulator = ("predict_distributed_peak (DDP / FSDP2 with a fake process group of num_gpus ranks)"
+                     if run.sharding else "predict_trainer_peak (transformers.Trainer run on the meta device)"
+                     if run.client == "trainer" else "predict_peak")
         return Estimate(float(result["peak_bytes"]), result.get("components"), {
             "activations_per_token": None, "activations_per_token_unit": None, "peak_phase": result.get("peak_phase"),
             "notes": [f"simulated by pipeline.simulate.{simulator} (reserved: the caching allocator's "
@@ -163,7 +166,7 @@ class FormulaEstimator(FittedEstimator):
 
     def predict(self, target: Target, run: Run) -> Estimate:
         from pipeline.features import read_facts
-        from pipeline.formula_peak import peak_group, predict_peak
+        from pipeline.formula_peak import peak_group, peak_of, predict_peak
         from pipeline.hook_features import hook_feature_values
 
         section = self.coefficients["activation_formula"]
@@ -174,6 +177,9 @@ class FormulaEstimator(FittedEstimator):
             raise UserError(f"method 'formula': the coefficient file has no peak fit for {group}")
         result = predict_peak(section["peak"], facts, target.parameters, run.batch, run.seq, run.precision,
                               run.optimizer_key, run.checkpointing, run.attn_implementation)
+        if run.sharding is not None:
+            result["components"] = shard_components(result["components"], run.num_gpus, run.sharding)
+            result["peak_bytes"], result["peak_phase"] = peak_of(result["components"])
         hook = section["hook_elements"]["coefficients"]
         elements = sum(hook.get(t, 0.0) * v for t, v in hook_feature_values(facts, config).items())
         return self.with_reserved(Estimate(result["peak_bytes"], result["components"], {
@@ -195,6 +201,11 @@ def config_dict(config) -> dict:
 
 def exact_peak(config, run: Run) -> dict:
     """The simulator's prediction for the run's client (`predict_peak` or `predict_trainer_peak`)."""
+    if run.sharding is not None:
+        from pipeline.simulate.distributed import predict_distributed_peak
+
+        return predict_distributed_peak(config, run.batch, run.seq, run.precision, run.num_gpus, run.sharding,
+                                        run.checkpointing, run.optimizer, run.attn_implementation)
     if run.client == "trainer":
         from pipeline.simulate.trainer import predict_trainer_peak
 

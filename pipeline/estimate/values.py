@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pipeline.errors import UserError
 from pipeline.formulas import optimizer_key
 from pipeline.step import Setting
-from pipeline.vocabulary import PRECISIONS, check_choice, check_positive_int
+from pipeline.vocabulary import PRECISIONS, SHARDINGS, check_choice, check_positive_int
 
 GIB = 2**30
 
@@ -29,6 +29,8 @@ class Run:
     client: str = "loop"
     optim: str | None = None  # the trainer's; None: adamw_torch_fused
     gradient_accumulation: int = 1  # micro-batches per optimizer step (trainer)
+    num_gpus: int = 1  # GPUs of a data-parallel run; `batch` is per GPU
+    sharding: str | None = None  # ddp, fsdp, fsdp-no-reshard (vocabulary.SHARDINGS); None: one GPU
 
     def __post_init__(self):
         check_positive_int("batch", self.batch)
@@ -42,6 +44,17 @@ class Run:
         setting.check()
         object.__setattr__(self, "optimizer", setting.optimizer)
         object.__setattr__(self, "optim", setting.optim)
+        self.check_sharding()
+
+    def check_sharding(self) -> None:
+        check_positive_int("num_gpus", self.num_gpus)
+        if self.sharding is None:
+            if self.num_gpus > 1:
+                raise UserError(f"num_gpus {self.num_gpus} needs a sharding ({', '.join(SHARDINGS)})")
+            return
+        check_choice("sharding", self.sharding, SHARDINGS)
+        if self.client != "loop":
+            raise UserError(f"sharding is estimated for the loop client only, not {self.client}")
 
     @property
     def optimizer_key(self) -> str:

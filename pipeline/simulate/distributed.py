@@ -22,7 +22,7 @@ import time
 
 from pipeline.errors import UserError
 
-from pipeline.simulate.distributed_world import SHARDINGS
+from pipeline.vocabulary import SHARDINGS
 
 
 def predict_distributed_peak(config, batch_size: int, seq_len: int, precision: str = "fp32", num_gpus: int = 2,

@@ -28,7 +28,6 @@ import contextlib
 
 from pipeline.errors import UserError
 
-SHARDINGS = ("ddp", "fsdp", "fsdp-no-reshard")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,52 @@
+"""`estimate` for several GPUs (num_gpus, sharding): the exact method runs the DDP / FSDP2
+simulation (pipeline.simulate.distributed, checked against a real gloo run in test_distributed.py),
+the closed forms shard their terms, bad options are one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.estimate import estimate
+
+TINY = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def test_exact_fsdp_is_the_distributed_simulation():
+    from pipeline.simulate.distributed import predict_distributed_peak
+
+    answer = estimate(config=TINY, batch=2, seq=64, precision="bf16", method="exact", num_gpus=4, sharding="fsdp",
+                      gpu_memory_gib=80)
+    direct = predict_distributed_peak(TINY, 2, 64, "bf16", 4, "fsdp")
+    assert answer["peak_bytes"] == direct["peak_bytes"] and answer["peak_reserved_bytes"] == direct["peak_reserved_bytes"]
+    assert (answer["num_gpus"], answer["sharding"], answer["fits"]) == (4, "fsdp", True)
+    one = estimate(config=TINY, batch=2, seq=64, precision="bf16", method="exact")
+    assert answer["components"]["parameters"] < one["components"]["parameters"] / 3  # a quarter of the weights
+
+
+def test_closed_forms_shard_weights_gradients_and_state():
+    n = 8_000_000_000
+    one = estimate(params=n, batch=1, seq=2048, precision="bf16", method="blog")["components"]
+    fsdp = estimate(params=n, batch=1, seq=2048, precision="bf16", method="blog", num_gpus=8,
+                    sharding="fsdp")["components"]
+    ddp = estimate(params=n, batch=1, seq=2048, precision="bf16", method="blog", num_gpus=8,
+                   sharding="ddp")["components"]
+    assert fsdp["parameters"] == one["parameters"] / 8 == 2 * n / 8
+    assert fsdp["optimizer_state"] == one["optimizer_state"] / 8 and fsdp["activations"] == one["activations"]
+    assert ddp["gradients"] == 2 * one["gradients"] and ddp["parameters"] == one["parameters"]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--num-gpus", "4"], "num_gpus 4 needs a sharding"),
+    (["--num-gpus", "4", "--sharding", "zero3"], "invalid choice"),
+    (["--sharding", "fsdp", "--num-gpus", "2", "--client", "trainer"], "sharding is estimated for the loop client only"),
+])
+def test_bad_sharding_options_are_one_line(arguments, message, capsys):
+    try:
+        code = main(["estimate", "--params", "1e9", "--batch", "1", "--seq", "8", "--precision", "bf16",
+                     "--method", "blog", *arguments])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and "\n" not in err
