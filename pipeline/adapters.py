@@ -14,6 +14,7 @@ The optimizer takes the trainable parameters only (`trainable_parameters`).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,7 +192,9 @@ def quantization_config(spec: AdapterSpec):
 
 def saved_base(config, model_id: str, root=None) -> Path:
     """A folder holding a random init of the model in bf16 (safetensors), saved once per model:
-    the weights' values change no memory, and a quantized base is loaded from a checkpoint."""
+    the weights' values change no memory, and a quantized base is loaded from a checkpoint. Under
+    $AVP_ADAPTER_BASES, else the temporary folder's avp-adapter-bases."""
+    import hashlib
     import tempfile
 
     import torch
@@ -199,7 +202,9 @@ def saved_base(config, model_id: str, root=None) -> Path:
     from pipeline.modeling import build_model, training_config
 
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_id)
-    folder = Path(root or tempfile.gettempdir()) / "avp-adapter-bases" / safe
+    digest = hashlib.sha1(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:10]
+    root = root or os.environ.get("AVP_ADAPTER_BASES") or Path(tempfile.gettempdir()) / "avp-adapter-bases"
+    folder = Path(root) / f"{safe}-{digest}"
     if (folder / "complete").exists():
         return folder
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -234,3 +239,30 @@ def build_adapter_model(config, model_id: str, spec: AdapterSpec, precision: str
     else:
         model = build(config, precision, attn, device)
     return apply_adapters(model, spec, gradient_checkpointing)
+
+
+# --- command-line arguments (measure here; the lead's estimate) -------------------------------------
+
+def add_adapter_arguments(parser) -> None:
+    """--lora-r, --lora-alpha, --lora-targets, --quantization, --peft-config."""
+    from pipeline.arguments import positive_int
+
+    parser.add_argument("--lora-r", type=positive_int, metavar="R", help="LoRA rank (adapters on a frozen base)")
+    parser.add_argument("--lora-alpha", type=positive_int, metavar="A", help="LoRA alpha (default 2r)")
+    parser.add_argument("--lora-targets", metavar="MODULES",
+                        help=f"{ALL_LINEAR} (default) or module names separated by commas (q_proj,v_proj)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, help="QLoRA: the base quantized by bitsandbytes")
+    parser.add_argument("--peft-config", metavar="FILE", help="PEFT's adapter_config.json (r, lora_alpha, target_modules)")
+
+
+def adapter_from_arguments(args) -> AdapterSpec | None:
+    """The AdapterSpec the arguments ask for (None: full fine-tuning)."""
+    if args.peft_config:
+        if args.lora_r or args.lora_alpha or args.lora_targets:
+            raise UserError("--peft-config gives r, alpha and targets: leave out --lora-r, --lora-alpha, --lora-targets")
+        return AdapterSpec.from_peft_config(args.peft_config, args.quantization)
+    if args.lora_r is None:
+        if args.lora_alpha or args.lora_targets or args.quantization:
+            raise UserError("--lora-alpha, --lora-targets and --quantization need --lora-r (or --peft-config)")
+        return None
+    return AdapterSpec.make(args.lora_r, args.lora_alpha, args.lora_targets or ALL_LINEAR, args.quantization)

@@ -394,6 +394,9 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--no-tf32", action="store_true", help="keep fp32 matmuls in full fp32 (slower)")
     parser.add_argument("--json", action="store_true", help="print the whole row as JSON")
+    from pipeline.adapters import add_adapter_arguments
+
+    add_adapter_arguments(parser)
     parser.set_defaults(handler=_measure_command)
 
 
@@ -402,8 +405,10 @@ def _measure_command(args) -> int:
     if device is None:
         raise UserError("no CUDA device here; use --device cpu for a (peak-less) CPU debug run")
     record = model_record(args.model, args.config, args.configs)
+    from pipeline.adapters import adapter_from_arguments
+
     setting = Setting(args.variant, args.optimizer, args.checkpointing, args.client, args.optim,
-                      args.gradient_accumulation)
+                      args.gradient_accumulation, adapter_from_arguments(args))
     row = measure(record, args.batch, args.seq, args.precision, setting, args.attn, device, not args.no_tf32)
     if args.json:
         print(json.dumps(row, default=str))
