@@ -163,3 +163,21 @@ def test_plan_lora_key_errors():
         sweep.parse_plan(dict(base, variants=[{"lora": {"rank": 8}, "models": [TINY]}]))
     with pytest.raises(UserError, match="standard variant only"):
         sweep.parse_plan(dict(base, variants=[{"lora": {"r": 8}, "variant": "blog", "models": [TINY]}]))
+
+
+@pytest.mark.parametrize("plan_file, models, architectures", [("config/sweep_lora.yaml", 15, 8),
+                                                              ("config/sweep_lora_heldout.yaml", 8, 6)])
+def test_lora_plans_are_valid_and_sized_for_one_run(plan_file, models, architectures, tmp_path):
+    """Every model of the plans has a config; LoRA and QLoRA both planned; one ~9-minute H100 run."""
+    from pipeline.paths import CONFIGS
+    from pipeline.sweep.cost import plan_report
+
+    repo = Path(__file__).resolve().parent.parent
+    plan = sweep.load_plan(repo / plan_file)
+    records, missing = sweep.load_model_records(repo / CONFIGS, plan.models)
+    assert not missing
+    assert len(records) >= models and len({r.model_type for r in records.values()}) >= architectures
+    methods = {g.setting.adapter.method for g in plan.groups if g.setting.adapter is not None}
+    assert methods == {"lora", "qlora"}
+    _, seconds = plan_report(sweep.plan_jobs(plan, records), tmp_path, plan)
+    assert seconds < 500
