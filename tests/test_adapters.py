@@ -114,26 +114,33 @@ def configs_path(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def lora_sweep(configs_path, tmp_path_factory):
     """tiny-llama's standard step in bf16, LoRA r=8 all-linear (bf16) and LoRA r=4 on q/v with
-    checkpointing (amp-bf16), two points each."""
+    checkpointing (amp-bf16), two points each; QLoRA (nf4, a real bitsandbytes base on the CPU) and
+    the Trainer with LoRA, one point each."""
+    import os
+
+    os.environ["AVP_ADAPTER_BASES"] = str(tmp_path_factory.mktemp("bases"))  # the forked children's
     plan = sweep.parse_plan({
         "grid": {"batch_sizes": [1, 2], "seq_lens": [16]}, "precisions": ["bf16"], "models": [TINY],
         "variants": [
             {"name": "lora", "lora": {"r": 8, "targets": "all-linear"}, "models": [TINY]},
             {"name": "lora qv ckpt", "precisions": ["amp-bf16"], "gradient_checkpointing": True,
-             "lora": {"r": 4, "targets": "q_proj,v_proj"}, "models": [TINY]}]})
+             "lora": {"r": 4, "targets": "q_proj,v_proj"}, "models": [TINY]},
+            {"name": "qlora", "lora": {"r": 8, "quantization": "nf4"}, "points": [[2, 16]], "models": [TINY]},
+            {"name": "trainer lora", "client": "trainer", "lora": {"r": 8}, "points": [[2, 16]], "models": [TINY]}]})
     records, missing = sweep.load_model_records(configs_path, plan.models)
     assert not missing
     jobs = sweep.plan_jobs(plan, records)
-    assert [(j.precision, j.adapters) for j in jobs] == [("bf16", False), ("bf16", True), ("amp-bf16", True)]
+    assert [(j.precision, j.client, j.adapters) for j in jobs] == [
+        ("bf16", "loop", False), ("bf16", "loop", True), ("bf16", "trainer", True), ("amp-bf16", "loop", True)]
     parts = tmp_path_factory.mktemp("lora") / "parts"
     outcomes = sweep.run_sweep(jobs, parts, device="cpu", child_timeout=300, log=lambda line: None)
-    assert outcomes["finished"] == 3 and outcomes["error"] == 0
+    assert outcomes["finished"] == 4 and outcomes["error"] == 0
     return sweep.aggregate(parts, parts.parent / "peak_memory.parquet")
 
 
 def test_lora_rows_have_their_columns(lora_sweep):
-    frame = lora_sweep
-    assert len(frame) == 6 and set(frame["status"]) == {"ok"}
+    frame = lora_sweep[lora_sweep["quantization"].isna() & (lora_sweep["client"] == "loop")]
+    assert len(frame) == 6 and set(lora_sweep["status"]) == {"ok"}
     assert not frame.duplicated(list(POINT_KEY)).any()
     full = frame[frame["lora_r"].isna()]
     assert full["trainable_parameters"].isna().all() and full["quantization"].isna().all()
@@ -148,6 +155,19 @@ def test_lora_rows_have_their_columns(lora_sweep):
     assert set(qv["trainable_parameters"]) == {lora_parameters(4, ["q_proj", "v_proj"])}
     assert set(qv["precision"]) == {"amp-bf16"}
     assert set(frame["parameters"]) == {full["parameters"].iloc[0]}
+
+
+def test_qlora_and_trainer_rows(lora_sweep):
+    """QLoRA (a real NF4 base loaded from the saved random init) trains the same adapters as LoRA;
+    so does the Trainer (its AdamW over them only)."""
+    frame = lora_sweep
+    qlora = frame[frame["quantization"] == "nf4"].iloc[0]
+    lora = frame[(frame["lora_r"] == 8) & frame["quantization"].isna() & (frame["client"] == "loop")].iloc[0]
+    assert qlora["lora_targets"] == "all-linear" and qlora["trainable_parameters"] == lora["trainable_parameters"]
+    assert qlora["optimizer_state_bytes"] == lora["optimizer_state_bytes"]
+    trainer = frame[(frame["client"] == "trainer")].iloc[0]
+    assert trainer["trainable_parameters"] == lora["trainable_parameters"]
+    assert trainer["optimizer_state_bytes"] == 2 * 4 * lora_parameters(8, LINEARS) + 4 * 28
 
 
 def test_lora_points_resume_from_their_rows(lora_sweep, configs_path):
