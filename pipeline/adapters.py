@@ -190,21 +190,33 @@ def quantization_config(spec: AdapterSpec):
 
 # --- the model of an adapter point, built fresh (PEFT wraps modules in place) ---------------------
 
-def saved_base(config, model_id: str, root=None) -> Path:
-    """A folder holding a random init of the model in bf16 (safetensors), saved once per model:
-    the weights' values change no memory, and a quantized base is loaded from a checkpoint. Under
-    $AVP_ADAPTER_BASES, else the temporary folder's avp-adapter-bases."""
+def saved_base_folder(config, model_id: str) -> Path:
+    """Where the random init of a model is saved: under $AVP_ADAPTER_BASES, else the temporary
+    folder's avp-adapter-bases, named by the model id and a digest of its config."""
     import hashlib
     import tempfile
 
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_id)
+    digest = hashlib.sha1(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:10]
+    root = os.environ.get("AVP_ADAPTER_BASES") or Path(tempfile.gettempdir()) / "avp-adapter-bases"
+    return Path(root) / f"{safe}-{digest}"
+
+
+def remove_saved_base(config, model_id: str) -> None:
+    """The saved random init goes when its job ends (an 8B model's is 16 GB of disk)."""
+    import shutil
+
+    shutil.rmtree(saved_base_folder(config, model_id), ignore_errors=True)
+
+
+def saved_base(config, model_id: str) -> Path:
+    """A folder holding a random init of the model in bf16 (safetensors), saved once per model:
+    the weights' values change no memory, and a quantized base is loaded from a checkpoint."""
     import torch
 
     from pipeline.modeling import build_model, training_config
 
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_id)
-    digest = hashlib.sha1(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:10]
-    root = root or os.environ.get("AVP_ADAPTER_BASES") or Path(tempfile.gettempdir()) / "avp-adapter-bases"
-    folder = Path(root) / f"{safe}-{digest}"
+    folder = saved_base_folder(config, model_id)
     if (folder / "complete").exists():
         return folder
     device = "cuda" if torch.cuda.is_available() else "cpu"

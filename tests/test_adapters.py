@@ -118,7 +118,8 @@ def lora_sweep(configs_path, tmp_path_factory):
     the Trainer with LoRA, one point each."""
     import os
 
-    os.environ["AVP_ADAPTER_BASES"] = str(tmp_path_factory.mktemp("bases"))  # the forked children's
+    bases = tmp_path_factory.mktemp("bases")
+    os.environ["AVP_ADAPTER_BASES"] = str(bases)  # the forked children's
     plan = sweep.parse_plan({
         "grid": {"batch_sizes": [1, 2], "seq_lens": [16]}, "precisions": ["bf16"], "models": [TINY],
         "variants": [
@@ -134,7 +135,9 @@ def lora_sweep(configs_path, tmp_path_factory):
         ("bf16", "loop", False), ("bf16", "loop", True), ("bf16", "trainer", True), ("amp-bf16", "loop", True)]
     parts = tmp_path_factory.mktemp("lora") / "parts"
     outcomes = sweep.run_sweep(jobs, parts, device="cpu", child_timeout=300, log=lambda line: None)
+    del os.environ["AVP_ADAPTER_BASES"]
     assert outcomes["finished"] == 4 and outcomes["error"] == 0
+    assert not list(bases.iterdir())  # the QLoRA job removed the random init it saved
     return sweep.aggregate(parts, parts.parent / "peak_memory.parquet")
 
 

@@ -107,6 +107,10 @@ def run_job(job: Job, parts_dir, device: str = "cuda", deadline: float | None = 
     except Exception as exc:  # noqa: BLE001 - whatever failed, the remaining points get rows
         fill_remaining(job, part, base, f"not measured: the process failed: {first_line(exc)}",
                        retry_errors=retry_errors)
+    if job.adapters:
+        from pipeline.adapters import remove_saved_base
+
+        remove_saved_base(job.record.transformers_config(), job.model_id)
     mark_done(part)
 
 
