@@ -5,6 +5,9 @@
 model: a fresh optimizer, three steps, peaks per phase (a `PhaseTracker`). `pipeline.sweep` runs it over a grid, one process per (model, precision,
 attention); `python -m pipeline measure` runs one point.
 
+A point with adapters (LoRA, QLoRA: `Setting.adapter`, pipeline.adapters) gets a model of its own,
+built fresh (`build_point_model`): PEFT wraps the base's modules in place.
+
 Reusing one built model across points is allowed because every point starts from the same state:
 fresh optimizer, grads set to None, `torch.cuda.empty_cache()`, peak counter reset. Only the weight
 values drift (the optimizer updates them), and values do not change memory, except through MoE
