@@ -204,3 +204,23 @@ def test_lora_plans_are_valid_and_sized_for_one_run(plan_file, models, architect
     assert methods == {"lora", "qlora"}
     _, seconds = plan_report(sweep.plan_jobs(plan, records), tmp_path, plan)
     assert seconds < 500
+
+
+def test_command_line_adapter_arguments(tmp_path):
+    import argparse
+
+    from pipeline.adapters import add_adapter_arguments, adapter_from_arguments
+
+    parser = argparse.ArgumentParser()
+    add_adapter_arguments(parser)
+    assert adapter_from_arguments(parser.parse_args([])) is None
+    spec = adapter_from_arguments(parser.parse_args(["--lora-r", "8", "--lora-targets", "q_proj,v_proj",
+                                                     "--quantization", "nf4"]))
+    assert spec == AdapterSpec("qlora", 8, 16, "q_proj,v_proj", "nf4")
+    config = tmp_path / "adapter_config.json"
+    config.write_text(json.dumps({"peft_type": "LORA", "r": 32, "lora_alpha": 16, "target_modules": ["v_proj"]}))
+    assert adapter_from_arguments(parser.parse_args(["--peft-config", str(config)])) == AdapterSpec.make(32, 16, "v_proj")
+    with pytest.raises(UserError, match="need --lora-r"):
+        adapter_from_arguments(parser.parse_args(["--quantization", "nf4"]))
+    with pytest.raises(UserError, match="leave out --lora-r"):
+        adapter_from_arguments(parser.parse_args(["--peft-config", str(config), "--lora-r", "4"]))
