@@ -5,6 +5,9 @@
 model: a fresh optimizer, three steps, peaks per phase (a `PhaseTracker`). `pipeline.sweep` runs it over a grid, one process per (model, precision,
 attention); `python -m pipeline measure` runs one point.
 
+A point with adapters (LoRA, QLoRA: `Setting.adapter`, pipeline.adapters) gets a model of its own,
+built fresh (`build_point_model`): PEFT wraps the base's modules in place.
+
 Reusing one built model across points is allowed because every point starts from the same state:
 fresh optimizer, grads set to None, `torch.cuda.empty_cache()`, peak counter reset. Only the weight
 values drift (the optimizer updates them), and values do not change memory, except through MoE
@@ -52,6 +55,9 @@ COLUMN_DTYPES = {
     "torch_version": "string", "transformers_version": "string", "cuda_version": "string",
     "python_version": "string", "git_commit": "string", "config_source": "string",
     "config_revision": "string",
+    # adapters (pipeline.adapters): None for full fine-tuning
+    "lora_r": "Int64", "lora_alpha": "Int64", "lora_targets": "string", "quantization": "string",
+    "trainable_parameters": "Int64",
 }
 COLUMNS = tuple(COLUMN_DTYPES)
 
@@ -311,23 +317,43 @@ def measure(record: ModelRecord, batch: int, seq: int, precision: str = "fp32", 
     setting.check()
     if batch <= 0 or seq <= 0:
         raise UserError("batch size and sequence length must be positive")
-    config = record.transformers_config()
     limit = record.context
     row = base_columns(record, precision, attn, setting, batch, seq)
     row.update(setup_device(device, allow_tf32))
     if limit is not None and seq > limit:
         return finish_row(row, status="skipped", reason=f"seq_len {seq} beyond the context length {limit}")
-    start = time.perf_counter()
+    unavailable = client_module(setting.client).unavailable(setting, device)
+    if unavailable:
+        return finish_row(row, status="skipped", reason=unavailable)
     try:
-        model = build(config, precision, attn, device)
+        model, built = build_point_model(record, setting, precision, attn, device)
+    except UserError:
+        raise
     except Exception as exc:  # noqa: BLE001 - a model that cannot be built is an error row
         return finish_row(row, status="error", reason=f"model build failed: {first_line(exc)}")
-    parameters = count_parameters(model)
-    row.update(build_seconds=time.perf_counter() - start, weights_bytes=weights_bytes(model, device),
-               parameters=parameters, attn_implementation_used=attn_used(model),
-               step_flops=6.0 * parameters * batch * seq * setting.gradient_accumulation)
+    row.update(built, step_flops=6.0 * built["parameters"] * batch * seq * setting.gradient_accumulation)
     row.update(measure_point(model, setting, precision, batch, seq, device, record.use_cache))
     return finish_row(row)
+
+
+def build_point_model(record: ModelRecord, setting: Setting, precision: str, attn: str, device: str):
+    """(model, the columns of its build): random weights in the precision's dtype; with adapters a
+    fresh base (quantized for QLoRA) wrapped by PEFT (pipeline.adapters), whose `parameters` are the
+    base's and `trainable_parameters` the adapters'."""
+    start = time.perf_counter()
+    config = record.transformers_config()
+    if setting.adapter is None:
+        model = build(config, precision, attn, device)
+        parameters, trainable = count_parameters(model), None
+    else:
+        from pipeline.adapters import build_adapter_model, trainable_parameters
+
+        model = build_adapter_model(config, record.model_id, setting.adapter, precision, attn, device,
+                                    setting.gradient_checkpointing)
+        parameters, trainable = record.parameters, trainable_parameters(model)
+    return model, {"build_seconds": time.perf_counter() - start, "weights_bytes": weights_bytes(model, device),
+                   "parameters": parameters, "attn_implementation_used": attn_used(model),
+                   "trainable_parameters": trainable}
 
 
 def base_columns(record: ModelRecord, precision: str, attn: str, setting: Setting, batch: int, seq: int) -> dict:
@@ -337,6 +363,7 @@ def base_columns(record: ModelRecord, precision: str, attn: str, setting: Settin
                batch_size=batch, seq_len=seq, tokens=batch * seq * setting.gradient_accumulation,
                config_source=record.config_source,
                config_revision=record.config_revision, child_pid=os.getpid(), **asdict(setting))
+    row.update(setting.adapter_columns())
     return row
 
 
@@ -370,6 +397,9 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--no-tf32", action="store_true", help="keep fp32 matmuls in full fp32 (slower)")
     parser.add_argument("--json", action="store_true", help="print the whole row as JSON")
+    from pipeline.adapters import add_adapter_arguments
+
+    add_adapter_arguments(parser)
     parser.set_defaults(handler=_measure_command)
 
 
@@ -378,8 +408,10 @@ def _measure_command(args) -> int:
     if device is None:
         raise UserError("no CUDA device here; use --device cpu for a (peak-less) CPU debug run")
     record = model_record(args.model, args.config, args.configs)
+    from pipeline.adapters import adapter_from_arguments
+
     setting = Setting(args.variant, args.optimizer, args.checkpointing, args.client, args.optim,
-                      args.gradient_accumulation)
+                      args.gradient_accumulation, adapter_from_arguments(args))
     row = measure(record, args.batch, args.seq, args.precision, setting, args.attn, device, not args.no_tf32)
     if args.json:
         print(json.dumps(row, default=str))

@@ -9,8 +9,10 @@ The blog's own loop (`variant="blog"`) is the second, named variant: eval mode, 
 use_cache, ids below 100, loss = mean(logits), zero_grad() without set_to_none.
 
 A `Setting` also names the client that runs the steps (`loop`: the step above; `trainer`:
-transformers.Trainer, see pipeline.clients), its optimizer by transformers name (`optim`) and the
-gradient accumulation (micro-batches per optimizer step, the trainer's only).
+transformers.Trainer, see pipeline.clients), its optimizer by transformers name (`optim`), the
+gradient accumulation (micro-batches per optimizer step, the trainer's only) and the adapters
+(`adapter`: LoRA or QLoRA, pipeline.adapters; None for full fine-tuning). The optimizer takes the
+parameters that require gradients: all of them, or the adapters' on a frozen base.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from pipeline.adapters import AdapterSpec
 from pipeline.errors import UserError
 from pipeline.modeling import vocabulary_size
 from pipeline.vocabulary import (CLIENTS, OPTIM_OF_LOOP_OPTIMIZER, OPTIMIZERS, OPTIMS, VARIANTS, check_choice,
@@ -47,6 +50,7 @@ class Setting:
     client: str = "loop"
     optim: str | None = None
     gradient_accumulation: int = 1
+    adapter: AdapterSpec | None = None
 
     def __post_init__(self):
         if self.client == "loop":
@@ -62,7 +66,8 @@ class Setting:
         """The setting of a peak-table row; rows written before the client columns are the loop's."""
         client = row.get("client") or "loop"
         return cls(row.get("variant") or "standard", row.get("optimizer"), bool(row.get("gradient_checkpointing")),
-                   client, row.get("optim") if client != "loop" else None, row.get("gradient_accumulation") or 1)
+                   client, row.get("optim") if client != "loop" else None, row.get("gradient_accumulation") or 1,
+                   AdapterSpec.from_row(row))
 
     def check(self) -> None:
         check_choice("client", self.client, CLIENTS)
@@ -72,6 +77,10 @@ class Setting:
         if self.variant == "blog" and self.gradient_checkpointing:
             raise UserError("the blog variant runs in eval mode, where gradient checkpointing does nothing")
         check_positive_int("gradient_accumulation", self.gradient_accumulation)
+        if self.adapter is not None and not isinstance(self.adapter, AdapterSpec):
+            raise UserError(f"adapter must be an AdapterSpec, not {type(self.adapter).__name__}")
+        if self.adapter is not None and self.variant != "standard":
+            raise UserError("adapters (lora, qlora) train with the standard variant only")
         if self.client == "loop":
             check_choice("optimizer", self.optimizer, OPTIMIZERS)
             if self.optim != OPTIM_OF_LOOP_OPTIMIZER[self.optimizer]:
@@ -89,6 +98,17 @@ class Setting:
     @property
     def blog(self) -> bool:
         return self.variant == "blog"
+
+    def adapter_columns(self) -> dict:
+        """lora_r, lora_alpha, lora_targets, quantization (None without adapters)."""
+        if self.adapter is None:
+            return dict.fromkeys(("lora_r", "lora_alpha", "lora_targets", "quantization"))
+        return self.adapter.columns()
+
+
+def trainable(params) -> list:
+    """The parameters the optimizer takes: those that require gradients."""
+    return [p for p in params if p.requires_grad]
 
 
 def make_optimizer(params, setting: Setting, foreach: bool | None = None):

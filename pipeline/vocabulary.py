@@ -37,8 +37,11 @@ STATUSES = ("ok", "oom", "skipped", "error")
 METHODS = ("blog", "heuristic", "exact", "formula")  # estimators
 
 # A measured point of the peak table is one row per these columns.
+# The adapter columns (LoRA rank and targets, the base's quantization) are None without adapters.
 POINT_KEY = ("model_id", "precision", "variant", "optimizer", "gradient_checkpointing", "attn_implementation",
-             "batch_size", "seq_len", "client", "optim", "gradient_accumulation")
+             "batch_size", "seq_len", "client", "optim", "gradient_accumulation", "lora_r", "lora_targets",
+             "quantization")
+ADAPTER_KEY = ("lora_r", "lora_targets", "quantization")
 
 
 def check_choice(what: str, value, allowed) -> None:

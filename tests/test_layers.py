@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pipeline"
 LAYERS = {
     "plumbing": ("errors", "io", "paths", "provenance", "vocabulary", "arguments"),
     "inputs": ("registry", "configs", "modeling"),
-    "measuring": ("step", "autocast", "activations", "clients", "memory", "sweep", "simulate"),
+    "measuring": ("adapters", "step", "autocast", "activations", "clients", "memory", "sweep", "simulate"),
     "knowledge": ("devices", "formulas", "features", "hook_features", "coefficients", "formula_fit", "formula_peak",
                   "formula_regression", "line_fit", "peak_constants", "fit"),
     "answers": ("estimate", "validate", "validate_settings"),

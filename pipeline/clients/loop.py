@@ -7,10 +7,16 @@ import time
 
 from pipeline.clients.tracking import PhaseTracker, optimizer_state_bytes
 from pipeline.step import (STEPS, Setting, autocast, grad_scaler, make_optimizer, set_training_mode, token_ids,
-                           training_loss, zero_grad)
+                           trainable, training_loss, zero_grad)
 
 
 def unavailable(setting: Setting, device: str) -> str | None:
+    import importlib.util
+
+    if setting.adapter is not None and importlib.util.find_spec("peft") is None:
+        return "adapters need peft, which is not installed here"
+    if setting.adapter is not None and setting.adapter.quantization and importlib.util.find_spec("bitsandbytes") is None:
+        return f"quantization {setting.adapter.quantization} needs bitsandbytes, which is not installed here"
     return None
 
 
@@ -20,7 +26,7 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
     import torch
 
     set_training_mode(model, setting)
-    optimizer = make_optimizer(model.parameters(), setting)
+    optimizer = make_optimizer(trainable(model.parameters()), setting)  # the adapters' only on a frozen base
     scaler = grad_scaler(precision, device)
     seconds = []
     for _ in range(steps):

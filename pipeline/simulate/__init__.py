@@ -11,6 +11,8 @@ Modules: `predict` (predict_peak, the meta model cache), `step` (the step under 
 `tracker` (live bytes by role), `allocator` (the caching allocator's blocks), `output_cache`,
 `rules` (the TorchFunctionMode: autocast, SDPA, dropout), `sdpa`, `kernels` (workspaces, host
 outputs, grouped_mm), `stand_ins` (data-dependent values), `scaler` (amp-fp16's gradient scaler),
+`adapters` (LoRA / QLoRA: PEFT's wrapping on a meta model of their own, the 4-bit base on meta),
+`bnb_kernels` (bitsandbytes' 4-bit matmul as CUDA runs it),
 `peaks` (the simulate-peaks stage), `cli`.
 Importing this package imports no torch.
 """

@@ -25,6 +25,9 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--configs", default=CONFIGS,
                         help="output of `pipeline configs`, looked up first for --model")
     parser.add_argument("--json", action="store_true")
+    from pipeline.adapters import add_adapter_arguments
+
+    add_adapter_arguments(parser)
     parser.set_defaults(handler=_simulate_command)
 
     stage = subparsers.add_parser("simulate-peaks", help="simulate every point of the measured peak table")
@@ -36,16 +39,20 @@ def add_cli(subparsers) -> None:
 
 
 def _simulate_command(args) -> int:
+    from pipeline.adapters import adapter_from_arguments
     from pipeline.simulate.predict import predict_peak
 
+    adapter = adapter_from_arguments(args)
     resolved = _resolve(args.model, args.config, args.configs)
     result = predict_peak(resolved.config, args.batch, args.seq, args.precision, args.optimizer,
-                          args.checkpointing, args.attn_implementation, args.variant)
+                          args.checkpointing, args.attn_implementation, args.variant, adapter)
     result.update(model_id=resolved.model_id, config_source=resolved.source, config_revision=resolved.revision)
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{resolved.model_id} {args.precision} B={args.batch} L={args.seq}: "
+        lora = "" if adapter is None else (f" {adapter.method} r={adapter.r} on {adapter.targets}"
+                                           f"{' (' + adapter.quantization + ')' if adapter.quantization else ''},")
+        print(f"{resolved.model_id} {args.precision}{lora} B={args.batch} L={args.seq}: "
               f"peak {result['peak_bytes'] / 2**30:.3f} GiB in {result['peak_phase']} ({result['seconds']:.2f} s)")
     return 0
 

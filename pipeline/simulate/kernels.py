@@ -67,4 +67,7 @@ def host_outputs() -> dict:
 
 def workspace_rules() -> dict:
     """{aten overload: fn(args, kwargs, out) -> [bytes, ...]}: scratch memory of CUDA kernels."""
-    return {**attention_workspaces(), torch.ops.aten.embedding_dense_backward.default: _embedding_backward_workspace}
+    from pipeline.simulate.bnb_kernels import bnb_workspace_rules
+
+    return {**attention_workspaces(), torch.ops.aten.embedding_dense_backward.default: _embedding_backward_workspace,
+            **bnb_workspace_rules()}

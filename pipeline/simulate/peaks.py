@@ -80,6 +80,19 @@ def _read_table(path):
         raise UserError(f"{path}: not a readable parquet table ({type(exc).__name__})") from None
 
 
+def point_adapter(point: dict):
+    """The AdapterSpec of a point with adapters (lora_r set); alpha changes no memory (default 2r)."""
+    import pandas as pd
+
+    if point.get("lora_r") is None or pd.isna(point.get("lora_r")):
+        return None
+    from pipeline.adapters import AdapterSpec
+
+    quantization = point.get("quantization")
+    return AdapterSpec.make(int(point["lora_r"]), None, point["lora_targets"],
+                            None if quantization is None or pd.isna(quantization) else quantization)
+
+
 def _simulate_row(point: dict, configs: dict) -> dict:
     row = dict.fromkeys(SIMULATED_COLUMNS)
     record = configs.get(point["model_id"])
@@ -88,7 +101,7 @@ def _simulate_row(point: dict, configs: dict) -> dict:
     try:
         result = predict_peak(record["config"], int(point["batch_size"]), int(point["seq_len"]), point["precision"],
                               point["optimizer"], bool(point["gradient_checkpointing"]),
-                              point["attn_implementation"], point["variant"])
+                              point["attn_implementation"], point["variant"], point_adapter(point))
     except Exception as exc:  # noqa: BLE001 - one failing model becomes a row with its reason
         return dict(row, simulate_status="error", simulate_reason=first_line(exc))
     phases = result["phase_peaks"]

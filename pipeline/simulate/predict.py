@@ -17,22 +17,36 @@ ATTENTIONS = ("default", "sdpa", "eager")
 
 def predict_peak(config, batch_size: int, seq_len: int, precision: str = "fp32", optimizer: str = "adamw",
                  gradient_checkpointing: bool = False, attn_implementation: str | None = None,
-                 variant: str = "standard") -> dict:
+                 variant: str = "standard", adapter=None) -> dict:
     """Predicted `torch.cuda.max_memory_allocated()` of the standard training step on an H200.
 
     `config`: a transformers config or a config.json dict. Returns peak_bytes, components (bytes by
     role at the peak moment), phase_peaks, saved_bytes (autograd saved-for-backward storages of the
     forward, parameters excluded), peak_reserved_bytes (`torch.cuda.max_memory_reserved()`),
     peak_reserved_expandable_bytes (the same with `expandable_segments:True`) and seconds.
+
+    `adapter`: a `pipeline.adapters.AdapterSpec` (LoRA / QLoRA), run by PEFT's own wrapping on a
+    meta model of its own (`pipeline.simulate.adapters`); `trainable_parameters` is then returned too.
     """
     from pipeline.simulate.step import simulate_training_step
 
     start = time.perf_counter()
     check_inputs(batch_size, seq_len, precision, optimizer, gradient_checkpointing, attn_implementation, variant)
     config = _as_config(config)
-    model = cached_meta_model(_config_key(config), precision, _attention(attn_implementation))
+    if adapter is None:
+        model = cached_meta_model(_config_key(config), precision, _attention(attn_implementation))
+    else:
+        from pipeline.simulate.adapters import cached_adapter_model, check_adapter
+
+        check_adapter(adapter, variant)
+        model = cached_adapter_model(_config_key(config), precision, _attention(attn_implementation), adapter,
+                                     gradient_checkpointing)
     result = simulate_training_step(model, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
                                     variant, device_type="meta")
+    if adapter is not None:
+        from pipeline.adapters import trainable_parameters
+
+        result["trainable_parameters"] = trainable_parameters(model)
     result["seconds"] = time.perf_counter() - start
     return result
 

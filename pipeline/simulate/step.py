@@ -21,7 +21,8 @@ import contextlib
 from pipeline.simulate.allocator import (CachingAllocator, ExpandableSegments, Fanout, allocated_bytes,
                                          later_steps_reserved)
 from pipeline.simulate.scaler import scaler_tensors
-from pipeline.step import Setting, grad_scaler, make_optimizer, set_training_mode, token_ids, training_loss, zero_grad
+from pipeline.step import (Setting, grad_scaler, make_optimizer, set_training_mode, token_ids, trainable, training_loss,
+                           zero_grad)
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -56,14 +57,14 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     if gradient_checkpointing:
         rules.wrap_checkpointing(model)
     params = list(model.parameters())
-    for tensor in params + list(model.buffers()):
+    for tensor in params + list(model.buffers()) + quantization_state(model):
         tracker.track(tensor, "parameters")
     workspaces = [torch.empty(size, dtype=torch.uint8, device=device_type) for size in CUBLAS_WORKSPACES]
     for workspace in workspaces if cuda_rules else ():
         tracker.track(workspace, "activations")
     hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradients"))
              for p in params if p.requires_grad]
-    opt = make_optimizer(params, setting, foreach=True)  # CUDA's default; meta tensors have none
+    opt = make_optimizer(trainable(params), setting, foreach=True)  # CUDA's default; meta tensors have none
     saved = SavedTensors(params)
     amp_dtype = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
     amp = rules.autocast(amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
@@ -114,6 +115,22 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
         later_steps_reserved(allocator, *traces, ids_at and ids_at[i], loss_at and loss_at[i])
         for i, (allocator, *traces) in enumerate(zip(reserved.allocators, forward, backward, optimizer_trace)))
     return result
+
+
+def quantization_state(model) -> list:
+    """The tensors a quantized base keeps beside its packed weights (bitsandbytes' QuantState:
+    absmax per block, the code; Int8Params' row scales), allocated with the weights."""
+    tensors = []
+    for param in model.parameters():
+        state = getattr(param, "quant_state", None)
+        while state is not None:
+            tensors += [t for t in (getattr(state, "absmax", None), getattr(state, "code", None),
+                                    getattr(state, "offset", None)) if t is not None and hasattr(t, "device")]
+            state = getattr(state, "state2", None)
+        scales = getattr(param, "SCB", None)
+        if scales is not None:
+            tensors.append(scales)
+    return tensors
 
 
 def optimizer_step(opt, scaler) -> None:

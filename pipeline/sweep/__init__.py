@@ -3,7 +3,8 @@
 Plan (`plan`): every (model, precision, attention, client) is one job (`jobs`), run in its own child
 process (`child`, a fresh CUDA context); its points are the plan's settings (standard step,
 checkpointing, SGD, blog loop; the Trainer's optim and gradient accumulation) times the (B, L)
-grid, each L in increasing B. Points beyond the context length or
+grid, each L in increasing B. Points with adapters (a group's `lora:` key) are jobs of their own,
+whose child builds a fresh model per point (PEFT wraps the base in place). Points beyond the context length or
 over the compute budget (6*N*B*L FLOPs per step) are `skipped`; once (B, L) runs out of memory,
 every point with B' >= B and L' >= L of the same setting is recorded `oom` without running. Jobs
 run smallest model first, so a sweep that is cut off still covers many models.

@@ -13,12 +13,13 @@ import signal
 import sys
 import time
 
-from pipeline.clients import ONE_POINT_PER_PROCESS
-from pipeline.memory import base_columns, finish_row, first_line, measure_point, setup_device, weights_bytes
+from pipeline.clients import ONE_POINT_PER_PROCESS, client_module
+from pipeline.memory import base_columns, build_point_model, finish_row, first_line, measure_point, setup_device
 from pipeline.sweep.cost import build_seconds, point_seconds
 from pipeline.sweep.jobs import Job, Point, step_flops
 from pipeline.sweep.parts import (append_row, mark_done, oom_points, part_path, pending_points, prune_reason,
                                   read_rows, write_current)
+from pipeline.step import Setting
 from pipeline.sweep.plan import DEFAULT_ESTIMATE, Estimate
 
 EXIT_DEADLINE = 75  # a child that stopped before a point because the time limit was near
@@ -106,6 +107,10 @@ def run_job(job: Job, parts_dir, device: str = "cuda", deadline: float | None = 
     except Exception as exc:  # noqa: BLE001 - whatever failed, the remaining points get rows
         fill_remaining(job, part, base, f"not measured: the process failed: {first_line(exc)}",
                        retry_errors=retry_errors)
+    if job.adapters:
+        from pipeline.adapters import remove_saved_base
+
+        remove_saved_base(job.record.transformers_config(), job.model_id)
     mark_done(part)
 
 
@@ -121,20 +126,28 @@ def measure_points(job: Job, part, todo: list[Point], base: dict, device: str, d
         if row is not None:
             append_row(part, row)
             continue
+        adapter = point.setting.adapter is not None
         needed = 2 * point_seconds(job.record, point, job.precision, estimate) + 2
-        if model is None:
-            needed += build_seconds(job.record, estimate)
+        if model is None or adapter:
+            needed += build_seconds(job.record, estimate, point.setting)
         if deadline is not None and time.time() + needed > deadline:
             sys.exit(EXIT_DEADLINE)
-        if model is None:
-            model, built = build_model(job, part, base, device, retry_errors)
+        if adapter:
+            model, built = None, {}  # the shared base goes: each adapter point builds its own
+            columns = measure_adapter_point(job, point, part, base, device)
+            if columns is None:
+                continue
+        else:
             if model is None:
-                return
-            gc.freeze()  # later collections skip the model and the imported modules
-        write_current(part, json.dumps({"batch_size": point.batch_size, "seq_len": point.seq_len}))
-        columns = measure_point(model, point.setting, job.precision, point.batch_size, point.seq_len, device,
-                                job.record.use_cache)
-        append_row(part, point_row(job, point, base, **built, **columns))
+                model, built = build_model(job, part, base, device, retry_errors)
+                if model is None:
+                    return
+                gc.freeze()  # later collections skip the model and the imported modules
+            write_current(part, json.dumps({"batch_size": point.batch_size, "seq_len": point.seq_len}))
+            columns = measure_point(model, point.setting, job.precision, point.batch_size, point.seq_len, device,
+                                    job.record.use_cache)
+            columns = {**built, **columns}
+        append_row(part, point_row(job, point, base, **columns))
         if columns["status"] == "oom":
             ooms.setdefault(point.setting, []).append((point.batch_size, point.seq_len))
         if job.client in ONE_POINT_PER_PROCESS and columns["status"] in ("ok", "oom"):
@@ -147,17 +160,45 @@ def measure_points(job: Job, part, todo: list[Point], base: dict, device: str, d
 
 def build_model(job: Job, part, base: dict, device: str, retry_errors: bool):
     """(model, the columns of its build); (None, {}) after writing error rows when it cannot be built."""
-    from pipeline.modeling import attn_used, build, count_parameters
-
     write_current(part, "building the model")
-    start = time.perf_counter()
     try:
-        model = build(job.record.transformers_config(), job.precision, job.attn, device)
+        return build_point_model(job.record, Setting(), job.precision, job.attn, device)
     except Exception as exc:  # noqa: BLE001 - a model that cannot be built: error rows
         fill_remaining(job, part, base, f"model build failed: {first_line(exc)}", retry_errors=retry_errors)
         return None, {}
-    return model, {"build_seconds": time.perf_counter() - start, "weights_bytes": weights_bytes(model, device),
-                   "parameters": count_parameters(model), "attn_implementation_used": attn_used(model)}
+
+
+def measure_adapter_point(job: Job, point: Point, part, base: dict, device: str) -> dict | None:
+    """The columns of an adapter point, on a model built for it alone (PEFT wraps the base's modules
+    in place; the previous point's model is gone first). A base that cannot be built is this point's
+    error row; None when that row is written already."""
+    release_model(device)
+    unavailable = client_module(point.setting.client).unavailable(point.setting, device)
+    if unavailable:
+        return {"status": "skipped", "reason": unavailable}
+    write_current(part, "building the model")
+    try:
+        model, built = build_point_model(job.record, point.setting, job.precision, job.attn, device)
+    except Exception as exc:  # noqa: BLE001 - this point's error row
+        append_row(part, point_row(job, point, base, status="error", reason=f"model build failed: {first_line(exc)}"))
+        return None
+    write_current(part, json.dumps({"batch_size": point.batch_size, "seq_len": point.seq_len}))
+    columns = measure_point(model, point.setting, job.precision, point.batch_size, point.seq_len, device,
+                            job.record.use_cache)
+    del model
+    release_model(device)
+    return {**built, **columns}
+
+
+def release_model(device: str) -> None:
+    """Back to no model: PeftModel's reference cycles collected, the cache emptied."""
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def device_healthy(device: str) -> bool:

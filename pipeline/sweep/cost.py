@@ -20,6 +20,8 @@ def point_seconds(record: ModelRecord, point: Point, precision: str, estimate: E
     tokens = point.batch_size * point.seq_len * setting.gradient_accumulation
     flops = step_flops(record.plan_parameters, point.batch_size, point.seq_len, setting.gradient_accumulation)
     flops += 12.0 * record.layers * record.hidden * point.seq_len * tokens  # attention scores
+    if setting.adapter is not None:
+        flops *= 2 / 3  # no weight gradients: forward 2N, backward 2N (the input gradients) per token
     if setting.gradient_checkpointing:
         flops *= 4 / 3  # the forward runs twice
     compute = flops / estimate.flops_per_second[precision]
@@ -32,8 +34,12 @@ def point_seconds(record: ModelRecord, point: Point, precision: str, estimate: E
     return STEPS * max(compute, floor) + overhead
 
 
-def build_seconds(record: ModelRecord, estimate: Estimate) -> float:
-    return estimate.build_seconds_per_billion * record.plan_parameters / 1e9
+def build_seconds(record: ModelRecord, estimate: Estimate, setting=None) -> float:
+    """Building the model (an adapter point builds its own; a quantized base is loaded from disk)."""
+    billions = record.plan_parameters / 1e9
+    if setting is not None and setting.adapter is not None and setting.adapter.quantization:
+        return estimate.quantized_load_seconds_per_billion * billions
+    return estimate.build_seconds_per_billion * billions
 
 
 # Optimizer state in bytes per weight byte (rough, for the time estimate): moments, momentum, none.
@@ -52,6 +58,10 @@ def predicted_peak_bytes(record: ModelRecord, point: Point, precision: str) -> f
     else:
         state = STATE_PER_WEIGHT_BYTE[setting.optim]
     static = n * weight * (3 + state) + (2 * n if precision.startswith("amp") else 0)
+    if setting.adapter is not None:  # a frozen base (4-bit: half a byte, the rest upcast to fp32) and its casts
+        quantized = setting.adapter.quantization
+        embeddings = 2 * record.vocab * record.hidden * 4
+        static = (0.5 * n + embeddings if quantized else n * weight) + (2 * n if precision.startswith("amp") else 0)
     per_layer = 2 * activation if point.setting.gradient_checkpointing else 34 * activation
     per_token = record.layers * record.hidden * per_layer + record.vocab * (activation + 8)
     return static + tokens * per_token
@@ -62,19 +72,24 @@ def job_estimate(job: Job, rows: list[dict], estimate: Estimate, gpu_memory_byte
     """Seconds, points to measure and foreseen ooms of a job's pending points."""
     todo = pending_points(job, rows, retry_errors)
     ooms = oom_points(rows)
-    seconds, measured, foreseen = 0.0, 0, 0
+    seconds, measured, foreseen, saved = 0.0, 0, 0, False
     for point in todo:
         if point.skip_reason or prune_reason(ooms.get(point.setting, []), point.batch_size, point.seq_len):
             continue
         measured += 1
         cost = point_seconds(job.record, point, job.precision, estimate)
+        if job.adapters:  # each adapter point builds its model; a quantized base is saved once
+            cost += build_seconds(job.record, estimate, point.setting)
+            if point.setting.adapter.quantization and not saved:
+                saved = True
+                cost += estimate.base_save_seconds_per_billion * job.record.plan_parameters / 1e9
         if predicted_peak_bytes(job.record, point, job.precision) > gpu_memory_bytes:
             foreseen += 1
             ooms.setdefault(point.setting, []).append((point.batch_size, point.seq_len))
             cost = estimate.point_overhead_seconds + (cost - estimate.point_overhead_seconds) / STEPS
         seconds += cost
     if measured:
-        seconds += estimate.process_overhead_seconds + build_seconds(job.record, estimate)
+        seconds += estimate.process_overhead_seconds + (0 if job.adapters else build_seconds(job.record, estimate))
     return {"seconds": seconds, "points": len(todo), "measured": measured, "foreseen_oom": foreseen}
 
 

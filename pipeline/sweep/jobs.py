@@ -1,5 +1,5 @@
-"""The sweep's jobs: one child process per (model, precision, attention, client), its points in
-running order.
+"""The sweep's jobs: one child process per (model, precision, attention, client, with or without
+adapters), its points in running order.
 
 Points beyond the context length or over the compute budget (6*N*B*L*K FLOPs per optimizer step,
 K micro-batches) are planned with a skip reason. Jobs run one pass per precision, smallest model
@@ -36,6 +36,7 @@ class Job:
     attn: str
     points: list[Point] = field(default_factory=list)
     client: str = "loop"
+    adapters: bool = False  # LoRA / QLoRA points: a process of their own, a model built per point
 
     @property
     def model_id(self) -> str:
@@ -46,13 +47,16 @@ class Job:
         from pipeline.registry import safe_name
 
         name = f"{safe_name(self.model_id)}__{self.precision}__{self.attn}"
-        return name if self.client == "loop" else f"{name}__{self.client}"  # the loop's names predate clients
+        name = name if self.client == "loop" else f"{name}__{self.client}"  # the loop's names predate clients
+        return f"{name}__adapters" if self.adapters else name
 
     def key(self, point: Point) -> tuple:
         """The point's key in the peak table (vocabulary.POINT_KEY's columns, in that order)."""
         s = point.setting
+        adapter = s.adapter_columns()
         return (self.model_id, self.precision, s.variant, s.optimizer, s.gradient_checkpointing, self.attn,
-                point.batch_size, point.seq_len, s.client, s.optim, s.gradient_accumulation)
+                point.batch_size, point.seq_len, s.client, s.optim, s.gradient_accumulation, adapter["lora_r"],
+                adapter["lora_targets"], adapter["quantization"])
 
 
 def step_flops(parameters: int, batch: int, seq: int, accumulation: int = 1) -> float:
@@ -90,8 +94,9 @@ def plan_jobs(plan: Plan, records: dict[str, ModelRecord]) -> list[Job]:
             if model_id not in records:
                 continue
             for precision in group.precisions:
-                job = jobs.setdefault((model_id, precision, group.attn, client),
-                                      Job(records[model_id], precision, group.attn, client=client))
+                adapters = group.setting.adapter is not None
+                job = jobs.setdefault((model_id, precision, group.attn, client, adapters),
+                                      Job(records[model_id], precision, group.attn, client=client, adapters=adapters))
                 _merge_points(job, group_points(group, records[model_id]))
     for job in jobs.values():
         rank = {}
@@ -100,7 +105,7 @@ def plan_jobs(plan: Plan, records: dict[str, ModelRecord]) -> list[Job]:
         job.points.sort(key=lambda p: (rank[p.setting], p.seq_len, p.batch_size))
     passes = list(dict.fromkeys(p for group in plan.groups for p in group.precisions))
     return sorted(jobs.values(), key=lambda j: (passes.index(j.precision), j.record.plan_parameters, j.model_id,
-                                                j.attn != "default", CLIENTS.index(j.client)))
+                                                j.attn != "default", CLIENTS.index(j.client), j.adapters))
 
 
 def _merge_points(job: Job, points: list[Point]) -> None:

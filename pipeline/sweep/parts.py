@@ -14,7 +14,7 @@ from pipeline.memory import COLUMN_DTYPES, COLUMNS
 from pipeline.paths import PEAKS
 from pipeline.step import Setting
 from pipeline.sweep.jobs import Job, Point
-from pipeline.vocabulary import OPTIM_OF_LOOP_OPTIMIZER, POINT_KEY
+from pipeline.vocabulary import ADAPTER_KEY, OPTIM_OF_LOOP_OPTIMIZER, POINT_KEY
 
 EVENTS_FILE = "_events.jsonl"
 
@@ -97,7 +97,13 @@ def with_client_columns(row: dict) -> dict:
 
 
 def with_client_columns_frame(frame):
-    """A peak table (pandas) read as `with_client_columns` reads a row: missing client columns are the loop's."""
+    """A peak table (pandas) read as `with_client_columns` reads a row: missing client columns are the
+    loop's, missing adapter columns None (full fine-tuning)."""
+    missing = [column for column in ADAPTER_KEY if column not in frame.columns]
+    if missing:
+        frame = frame.copy()
+        for column in missing:
+            frame[column] = None
     if "client" in frame.columns:
         return frame
     frame = frame.copy()

@@ -19,7 +19,8 @@ GIB = 2**30
 PLAN_KEYS = {"grid", "max_step_flops", "allow_tf32", "child_timeout_seconds", "gpu_memory_gib", "estimate",
              "models", "precisions", "variants"}
 GROUP_KEYS = {"name", "models", "precisions", "client", "variant", "optimizer", "optim", "gradient_checkpointing",
-              "gradient_accumulation", "attn_implementation", "grid", "points", "max_step_flops"}
+              "gradient_accumulation", "attn_implementation", "grid", "points", "max_step_flops", "lora"}
+LORA_KEYS = {"r", "alpha", "targets", "quantization"}
 
 
 @contextlib.contextmanager
@@ -105,6 +106,9 @@ class Estimate:
     trainer_point_overhead_seconds: float = 1.0
     process_overhead_seconds: float = 2.0  # fork, CUDA context, first kernels
     build_seconds_per_billion: float = 0.5  # building random weights on the GPU
+    # QLoRA: saving a random init once per model (bf16 safetensors), loading it quantized per point
+    base_save_seconds_per_billion: float = 3.0
+    quantized_load_seconds_per_billion: float = 1.5
 
     def __post_init__(self):
         rates = self.flops_per_second
@@ -164,6 +168,17 @@ def _pairs(points) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(pair) for pair in points)
 
 
+def _adapter(data):
+    """A group's `lora: {r: 16, targets: all-linear, quantization: nf4}` (alpha defaults to 2r;
+    a quantization makes it QLoRA)."""
+    from pipeline.adapters import ALL_LINEAR, AdapterSpec
+
+    _no_unknown(data, LORA_KEYS, "lora")
+    if "r" not in data:
+        raise UserError("lora: needs r (the rank)")
+    return AdapterSpec.make(data["r"], data.get("alpha"), data.get("targets", ALL_LINEAR), data.get("quantization"))
+
+
 def _group(item, label: str, grid: Grid, plan_precisions, budget: float) -> Group:
     _no_unknown(item, GROUP_KEYS, label)
     own_grid = Grid.from_yaml(item["grid"], f"{label}: grid") if "grid" in item else grid
@@ -172,7 +187,8 @@ def _group(item, label: str, grid: Grid, plan_precisions, budget: float) -> Grou
                      precision_list(item.get("precisions", plan_precisions), "precisions"),
                      Setting(item.get("variant", "standard"), item.get("optimizer"),
                              item.get("gradient_checkpointing", False), item.get("client", "loop"),
-                             item.get("optim"), item.get("gradient_accumulation", 1)),
+                             item.get("optim"), item.get("gradient_accumulation", 1),
+                             _adapter(item["lora"]) if "lora" in item else None),
                      item.get("attn_implementation", "default"), own_grid, item.get("points"),
                      item.get("max_step_flops", budget), "max_step_flops" in item)
 

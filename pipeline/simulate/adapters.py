@@ -1,0 +1,102 @@
+"""LoRA and QLoRA under the simulator: PEFT's own wrapping (`pipeline.adapters.apply_adapters`) of a
+meta model of its own (the shared meta model cache stays unwrapped: PEFT wraps modules in place).
+
+LoRA: a meta model built for it (as the cache builds its own), then peft.get_peft_model; frozen weights get no
+gradients and no optimizer state because the step's optimizer takes the trainable parameters only.
+
+QLoRA (nf4): the 4-bit base as transformers' bitsandbytes integration makes it, on the meta device:
+`transformers.integrations.bitsandbytes.replace_with_bnb_linear` swaps every nn.Linear but the
+output head for bnb.nn.Linear4bit (the real integration, the real classes); then each weight becomes
+what loading quantizes it into, without values: a bnb `Params4bit` over a meta uint8 tensor of the
+packed size ((out*in+1)//2, 1), with a real `QuantState` whose absmax (fp32, one per 64-element
+block) and code (the 16 NF4 values, fp32) are meta tensors, dtype the compute dtype. This is the one
+stand-in: the quantization itself (values) does not run; the shapes and allocations are those that
+`Params4bit._quantize` makes on CUDA (`bitsandbytes.functional.quantize_4bit`: packed, absmax,
+code; no nested statistics with bnb_4bit_use_double_quant=False). The model is marked
+`is_loaded_in_4bit`, so PEFT's real `prepare_model_for_kbit_training` (fp32 upcasts of every other
+weight, enable_input_require_grads and checkpointing) and PEFT's bnb LoRA layers run as on the GPU.
+The 4-bit matmul runs bitsandbytes' own code (MatMul4Bit) on the ops' registered fake kernels;
+CUDA's gemm_4bit scratch (the dequantized weight of its dequantize+linear fallback) is a kernel rule
+(`pipeline.simulate.kernels`), and the backward's dequantized copy is a real op output, counted as is.
+
+int8 (LLM.int8, Linear8bitLt) is not simulated yet: a UserError says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from pipeline.errors import UserError
+
+
+def check_adapter(adapter, variant: str) -> None:
+    from pipeline.adapters import AdapterSpec
+
+    if not isinstance(adapter, AdapterSpec):
+        raise UserError(f"adapter must be an AdapterSpec, not {type(adapter).__name__}")
+    if variant != "standard":
+        raise UserError("adapters (lora, qlora) train with the standard variant only")
+    if adapter.quantization == "int8":
+        raise UserError("the simulator does not model 8-bit (int8) bases yet; nf4 is")
+
+
+@functools.lru_cache(maxsize=2)
+def cached_adapter_model(config_json: str, precision: str, attn_implementation: str | None, adapter,
+                         gradient_checkpointing: bool):
+    """The PeftModel on the meta device, built once per (config, precision, attention, adapter, checkpointing)."""
+    from pipeline.adapters import apply_adapters
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build
+
+    config = config_from_dict(json.loads(config_json))
+    try:
+        model = build(config, precision, attn_implementation or "default", device="meta")
+    except Exception as exc:  # noqa: BLE001 - transformers rejects some configs / attention choices
+        raise UserError(f"the model cannot be built from this config: {type(exc).__name__}: "
+                        f"{(str(exc).strip().splitlines() or [''])[0]}"[:300]) from None
+    if adapter.quantization:
+        quantize_on_meta(model, adapter)
+    return apply_adapters(model, adapter, gradient_checkpointing)
+
+
+def quantization_config(adapter):
+    from pipeline.adapters import quantization_config as make
+
+    return make(adapter)
+
+
+def quantize_on_meta(model, adapter) -> None:
+    """The 4-bit base (see the module docstring) in place of `model`'s linear layers, by transformers'
+    own bnb quantizer (its modules to keep unquantized, replace_with_bnb_linear, the flags it sets)."""
+    from transformers.quantizers import AutoHfQuantizer
+
+    config = quantization_config(adapter)
+    quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
+    quantizer._process_model_before_weight_loading(model, device_map=None)
+    for module in model.modules():
+        if type(module).__name__ == "Linear4bit":
+            module.weight = packed_weight(module, config)
+    quantizer._process_model_after_weight_loading(model)
+    model.hf_quantizer = quantizer
+    model.config.quantization_config = config
+
+
+def packed_weight(module, config):
+    """A Params4bit of the packed size with its QuantState, all on the meta device."""
+    import torch
+    from bitsandbytes.functional import QuantState
+    from bitsandbytes.nn import Params4bit
+
+    out_features, in_features = module.out_features, module.in_features
+    numel = out_features * in_features
+    blocksize = module.weight.blocksize
+    state = QuantState(absmax=torch.empty((numel + blocksize - 1) // blocksize, dtype=torch.float32, device="meta"),
+                       shape=torch.Size((out_features, in_features)),
+                       code=torch.empty(16, dtype=torch.float32, device="meta"), blocksize=blocksize,
+                       quant_type=config.bnb_4bit_quant_type, dtype=config.bnb_4bit_compute_dtype)
+    data = torch.empty(((numel + 1) // 2, 1), dtype=torch.uint8, device="meta")
+    return Params4bit(data, requires_grad=False, quant_state=state, blocksize=blocksize,
+                      compress_statistics=config.bnb_4bit_use_double_quant, quant_type=config.bnb_4bit_quant_type,
+                      quant_storage=torch.uint8, module=module, bnb_quantized=True)
+
