@@ -78,7 +78,7 @@ def test_each_client_has_its_own_process(client_sweep):
     assert len(frame) == 5 and not frame.duplicated(list(POINT_KEY)).any()
     loop = frame[(frame["model_id"] == PYTHIA) & (frame["client"] == "loop")]
     trainer = frame[(frame["client"] == "trainer") & (frame["status"] == "ok")]
-    assert len(trainer) == 2 and trainer["child_pid"].nunique() == 1  # the Trainer's points share its process
+    assert len(trainer) >= 2 and trainer["child_pid"].nunique() == 1  # the Trainer's points share its process
     assert not set(trainer["child_pid"]) & set(loop["child_pid"])
 
 
@@ -109,13 +109,20 @@ def test_trainer_sgd_has_no_state_and_checkpointing_runs(client_sweep):
     assert row["optimizer_state_bytes"] == 0  # transformers' "sgd": no momentum
 
 
-def test_missing_bitsandbytes_is_a_skipped_row_with_its_reason(client_sweep):
+def test_8bit_adamw_runs_where_bitsandbytes_is_installed(client_sweep):
+    """bitsandbytes keeps the two moments in 8 bits (plus a 4-byte absmax per 256 values), except
+    for the embeddings, which the Trainer registers for 32-bit state (8 bytes per parameter; the
+    H100's Qwen2.5-0.5B row agrees: 1,816,486,912 bytes = 8 x 136M tied embedding + 2 x the rest);
+    without bitsandbytes the row is skipped with its reason."""
     _, frame = client_sweep
     row = pick(frame, optim="adamw_bnb_8bit")
-    if importlib.util.find_spec("bitsandbytes") is not None:
-        pytest.skip("bitsandbytes is installed here")
-    assert row["status"] == "skipped"
-    assert row["reason"] == "optim adamw_bnb_8bit needs bitsandbytes, which is not installed here"
+    if importlib.util.find_spec("bitsandbytes") is None:
+        assert row["status"] == "skipped"
+        assert row["reason"] == "optim adamw_bnb_8bit needs bitsandbytes, which is not installed here"
+        return
+    n, embedding = row["parameters"], 50304 * 128  # pythia-14m's embed_in (embed_out is a Linear)
+    assert row["status"] == "ok"
+    assert row["optimizer_state_bytes"] == pytest.approx(8 * embedding + 2 * (n - embedding), rel=0.01)
 
 
 def test_loop_amp_fp16_keeps_fp32_weights_and_state(client_sweep):
