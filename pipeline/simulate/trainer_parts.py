@@ -75,8 +75,10 @@ def prepare_model(trainer: Trainer, model, rules, precision: str) -> None:
 
 
 def restore(model, trainer) -> None:
-    """The model as built: without accelerate's wrapper of its forward, checkpointing off."""
-    for name in ("forward", "_original_forward"):
+    """The model as built: without accelerate's wrapper of its forward and its mark
+    `_is_accelerate_prepared` (with it, the next Trainer's `prepare_model` returns the model as it is:
+    no autocast wrapper, so an amp run computes in fp32), checkpointing off."""
+    for name in ("forward", "_original_forward", "_is_accelerate_prepared"):
         model.__dict__.pop(name, None)
     if getattr(model, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_disable()
