@@ -27,17 +27,91 @@ def run_trainer(device: str, precision: str, optim: str, accumulation: int = 1, 
     return simulate_trainer(model, 2, 24, precision, optim, accumulation, checkpointing, device_type=device)
 
 
-@pytest.mark.parametrize("precision,optim,accumulation", [("fp32", "adamw_torch_fused", 1),
-                                                          ("fp32", "adamw_torch_fused", 2), ("bf16", "sgd", 1)])
-def test_meta_trainer_equals_real_cpu_trainer(precision, optim, accumulation):
-    """The Trainer's three steps on the meta device count what a real CPU run of the same code counts."""
-    real = run_trainer("cpu", precision, optim, accumulation)
-    simulated = run_trainer("meta", precision, optim, accumulation)
+# the two quantile maps of bitsandbytes' 8-bit AdamW (256 fp32 each) are copied to a GPU (and to
+# the meta device) in its first step, a block of 1 KiB each; on a CPU they stay where they are
+BNB_QMAPS = 2 * 1024
+
+
+@pytest.mark.parametrize("precision,optim,accumulation,checkpointing", [
+    ("fp32", "adamw_torch_fused", 1, False), ("fp32", "adamw_torch_fused", 2, False), ("bf16", "sgd", 1, False),
+    ("amp-bf16", "adamw_torch_fused", 1, False), ("amp-fp16", "adamw_torch_fused", 1, False),
+    ("amp-fp16", "sgd", 2, True), ("fp32", "adafactor", 1, False), ("amp-bf16", "adamw_bnb_8bit", 1, False)])
+def test_meta_trainer_equals_real_cpu_trainer(precision, optim, accumulation, checkpointing):
+    """The Trainer's three steps on the meta device count what a real CPU run of the same code counts
+    (amp-fp16 on the CPU with a real GradScaler("cpu"), bitsandbytes with its CPU kernels)."""
+    real = run_trainer("cpu", precision, optim, accumulation, checkpointing)
+    simulated = run_trainer("meta", precision, optim, accumulation, checkpointing)
+    offset = BNB_QMAPS if optim == "adamw_bnb_8bit" else 0
     for phase in ("forward", "backward", "optimizer"):
-        assert simulated["phase_peaks"][phase] == real["phase_peaks"][phase], phase
+        assert simulated["phase_peaks"][phase] == real["phase_peaks"][phase] + offset, phase
     assert simulated["optimizer_state_bytes"] == real["optimizer_state_bytes"]  # sgd: none (momentum 0)
-    assert simulated["peak_bytes"] == real["peak_bytes"]
+    assert simulated["peak_bytes"] == real["peak_bytes"] + offset
     # (adamw_torch is left out: its `step` counters are host tensors, which a CPU run cannot tell apart)
+
+
+def test_bnb_8bit_state_is_one_byte_moments_and_block_absmax():
+    """adamw_bnb_8bit: uint8 exp_avg / exp_avg_sq and an fp32 absmax per 256 elements each; fp32
+    moments for parameters under 4096 elements (bitsandbytes' min_8bit_size) and for embeddings
+    (transformers' create_optimizer registers them with optim_bits=32); the quantile maps."""
+    import torch
+
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build
+
+    model = build(config_from_dict(TINY_LLAMA), "fp32", "eager", device="meta")
+    expected = 2 * 256 * 4  # qmap1, qmap2 (shared by all parameters)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for p in model.parameters():
+        if p.numel() < 4096 or id(p) in embeddings:
+            expected += 2 * 4 * p.numel()
+        else:
+            expected += 2 * p.numel() + 2 * 4 * -(-p.numel() // 256)
+    assert run_trainer("meta", "fp32", "adamw_bnb_8bit")["optimizer_state_bytes"] == expected
+
+
+def test_amp_fp16_adds_the_scaler_to_amp_bf16():
+    """Same casts as amp-bf16 (2-byte activations), plus accelerate's GradScaler: its scale, growth
+    tracker and found_inf, a 512-byte block each at the backward peak."""
+    fp16 = run_trainer("meta", "amp-fp16", "adamw_torch_fused")
+    bf16 = run_trainer("meta", "amp-bf16", "adamw_torch_fused")
+    assert fp16["phase_peaks"]["backward"] - bf16["phase_peaks"]["backward"] == 3 * 512
+    assert fp16["optimizer_state_bytes"] == bf16["optimizer_state_bytes"]
+
+
+def test_a_second_prediction_keeps_the_autocast_wrapper():
+    """accelerate marks a prepared model (`_is_accelerate_prepared`) and then leaves it unwrapped:
+    restore() drops the mark, so the cached meta model predicts the same twice; with the mark kept
+    (`prepared_before`, what the GPU client did before) the amp forward computes in fp32."""
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build
+    from pipeline.simulate.trainer import predict_trainer_peak, simulate_trainer
+
+    first = predict_trainer_peak(TINY_LLAMA, 2, 64)
+    assert predict_trainer_peak(TINY_LLAMA, 2, 64)["peak_bytes"] == first["peak_bytes"]
+    model = build(config_from_dict(TINY_LLAMA), "amp-bf16", "default", device="meta")
+    unwrapped = simulate_trainer(model, 2, 64, "amp-bf16", "adamw_torch_fused", 1, False, prepared_before=True)
+    fp32 = simulate_trainer(build(config_from_dict(TINY_LLAMA), "fp32", "default", device="meta"), 2, 64, "fp32",
+                            "adamw_torch_fused", 1, False)
+    assert unwrapped["phase_peaks"]["forward"] == fp32["phase_peaks"]["forward"] > first["phase_peaks"]["forward"]
+
+
+def test_the_gpu_client_autocasts_every_point_of_a_process():
+    """pipeline.clients.trainer on the CPU, twice on one model: both Trainers run the forward under
+    autocast (the second skipped it while restore() left accelerate's mark on the model)."""
+    import torch
+
+    from pipeline.clients.tracking import PhaseTracker
+    from pipeline.clients.trainer import run_steps
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build
+    from pipeline.step import Setting
+
+    model = build(config_from_dict(TINY_LLAMA), "amp-bf16", "eager", device="cpu")
+    seen = []
+    model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    for _ in range(2):
+        run_steps(model, Setting(client="trainer"), "amp-bf16", 2, 16, "cpu", PhaseTracker("cpu"), False)
+    assert seen == [torch.bfloat16] * 6
 
 
 def test_fused_adamw_state_is_two_moments_and_device_steps():
@@ -77,7 +151,7 @@ def test_gpt2_prediction_matches_the_committed_h100_row():
     assert result["peak_phase"] == "backward"
 
 
-@pytest.mark.parametrize("kwargs,message", [(dict(optim="lion"), "optim"), (dict(precision="amp-fp16"), "fp16"),
+@pytest.mark.parametrize("kwargs,message", [(dict(optim="lion"), "optim"), (dict(precision="fp8"), "precision"),
                                             (dict(gradient_accumulation=0), "gradient_accumulation")])
 def test_bad_arguments_raise_user_error(kwargs, message):
     from pipeline.simulate.trainer import predict_trainer_peak
