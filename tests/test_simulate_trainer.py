@@ -146,7 +146,7 @@ def test_gpt2_prediction_matches_the_committed_h100_row():
     assert row["peak_allocated_bytes"] == 4711264768
     config = load_configs(REPO / "results/configs.json")["openai-community/gpt2"].config
     result = predict_trainer_peak(config, 4, 512, "amp-bf16", "adamw_torch_fused")
-    assert result["peak_bytes"] == 4712725504  # +0.03%
+    assert result["peak_bytes"] == 4708675584  # -0.055%
     assert abs(result["peak_bytes"] / row["peak_allocated_bytes"] - 1) < 0.005
     assert result["peak_phase"] == "backward"
 
@@ -158,3 +158,37 @@ def test_bad_arguments_raise_user_error(kwargs, message):
 
     with pytest.raises(UserError, match=message):
         predict_trainer_peak(TINY_LLAMA, **dict(dict(batch_size=1, seq_len=8), **kwargs))
+
+
+def tied_head_backward(device: str, amp: bool, vocab: int, hidden: int = 1024, tokens: int = 16) -> float:
+    """Bytes above the start of the backward at its peak, in (vocab x hidden) fp32 matrices, of an
+    embedding tied to the LM head under the simulator's tracker, rules and accumulation rule."""
+    import torch
+
+    from pipeline.simulate.accumulation import accumulation_stand_ins
+    from pipeline.simulate.rules import KernelRules
+    from pipeline.simulate.tracker import LiveBytesTracker
+
+    embedding = torch.nn.Embedding(vocab, hidden, device=device)
+    ids = torch.randint(0, vocab, (1, tokens)).to(device)
+    rules, tracker = KernelRules(device), LiveBytesTracker(device, stand_ins=accumulation_stand_ins())
+    tracker.track(embedding.weight, "parameters")
+    with rules, tracker:
+        with rules.autocast(torch.bfloat16) if amp else torch.autocast("cpu", enabled=False):
+            logits = torch.nn.functional.linear(embedding(ids), embedding.weight)
+        loss = logits.float().logsumexp(-1).sum()
+        start = tracker.live
+        tracker.start_phase("backward", "activations")
+        loss.backward()
+    return (tracker.peaks["backward"].total - start) / (vocab * hidden * 4)
+
+
+def test_tied_gradients_accumulate_in_place_as_on_cuda():
+    """Measured on an H100 (torch 2.11, this module's toy, no dispatch mode): 1.49 matrices under
+    amp (the head's fp32 gradient stolen by autograd's accumulation), 3.17 in fp32 (the head's
+    gradient is a view: a new sum; 0.17 is CUDA's embedding-backward scratch, not simulated). Under a
+    pass-through TorchDispatchMode the H100 measured 2.50 for amp: the out-of-place sum that the rule
+    corrects. A real CPU run counts the same as the meta device."""
+    assert abs(tied_head_backward("meta", True, 50000) - 1.492) < 0.01  # 1.4845
+    assert round(tied_head_backward("meta", False, 50000), 2) == 3.0
+    assert tied_head_backward("cpu", True, 4096, 64) == tied_head_backward("meta", True, 4096, 64)

@@ -76,6 +76,7 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
     before commit 57dc319, from the second point of a process on): no autocast wrapper."""
     import torch
 
+    from pipeline.simulate.accumulation import accumulation_stand_ins
     from pipeline.simulate.allocator import CachingAllocator, ExpandableSegments, Fanout
     from pipeline.simulate.kernels import CUBLAS_WORKSPACES, host_outputs, workspace_rules
     from pipeline.simulate.rules import KernelRules
@@ -86,7 +87,8 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
     meta = device_type == "meta"
     rules = KernelRules(device_type)
     reserved = Fanout([CachingAllocator(), ExpandableSegments()])
-    stand_ins = {**scalar_stand_ins(), **scaler_stand_ins()} if meta else None
+    stand_ins = {**scalar_stand_ins(), **scaler_stand_ins()} if meta else {}
+    stand_ins.update(accumulation_stand_ins())  # on a real CPU run too: it is the engine's rule, not the device's
     tracker = LiveBytesTracker(device_type, workspace_rules(), stand_ins,
                                UniformValues() if meta else None, CachingAllocator(), host_outputs(), reserved)
     for tensor in list(model.parameters()) + list(model.buffers()):
