@@ -24,9 +24,13 @@ What differs from a CUDA run, and is stood in for (`MetaRules`):
   meta is added to the devices that check accepts, and the step runs torch's real `_fused_adam`
   path; `torch._fused_adamw_` is in place and allocates nothing (its meta kernel likewise), so the
   state (exp_avg, exp_avg_sq, and a 0-dim fp32 `step` on the device per parameter) is all.
+- autograd's sum of two gradients for one tensor is in place where CUDA's engine steals the first
+  (`pipeline.simulate.accumulation`; the dispatch mode alone made it out of place): a tied
+  embedding under amp holds one V x H fp32 matrix less at the end of the backward;
 - adamw_bnb_8bit: nothing. bitsandbytes' real `AdamW8bit` runs: its state is made with
   `torch.zeros_like`/`torch.zeros` on the parameter's device (uint8 moments, fp32 absmax per block
-  of 256, fp32 moments for parameters under 4096 elements), its quantile maps are copied there, and
+  of 256; fp32 moments for parameters under 4096 elements and for embeddings, which transformers'
+  `create_optimizer` registers with optim_bits=32), its quantile maps are copied there, and
   its update `torch.ops.bitsandbytes.optimizer_update_{8bit_blockwise,32bit}` is in place, with
   fake kernels registered by bitsandbytes (`_ops.py`) that allocate nothing, as the CUDA kernels do.
 Data collation's pinned CPU memory is host memory: not counted.
@@ -50,7 +54,8 @@ def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str =
                          optim: str = "adamw_torch_fused", gradient_accumulation: int = 1,
                          gradient_checkpointing: bool = False, attn_implementation: str | None = None) -> dict:
     """Predicted `torch.cuda.max_memory_allocated()` (peak_bytes) and `max_memory_reserved()`
-    (peak_reserved_bytes) of `Trainer.train()` for three optimizer steps (client = trainer), the
+    (peak_reserved_bytes) of `Trainer.train()` for three optimizer steps (client = trainer;
+    precision in TRAINER_PRECISIONS, optim in TRAINER_OPTIMS), the
     cuBLAS workspaces of an earlier point in the process included, as `predict_peak` counts them.
     Also: components (bytes by role at the peak), phase_peaks, peak_phase, optimizer_state_bytes,
     peak_reserved_expandable_bytes, seconds."""
@@ -59,12 +64,23 @@ def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str =
     check_choice("precision", precision, TRAINER_PRECISIONS)
     check_choice("optim", optim, TRAINER_OPTIMS)
     check_positive_int("gradient_accumulation", gradient_accumulation)
+    check_installed(optim)
     config = _as_config(config)
     model = cached_meta_model(_config_key(config), precision, _attention(attn_implementation))
     result = simulate_trainer(model, batch_size, seq_len, precision, optim, gradient_accumulation,
                               gradient_checkpointing)
     result["seconds"] = time.perf_counter() - start
     return result
+
+
+def check_installed(optim: str) -> None:
+    """The simulator runs the optimizer's own code: its package must be importable here."""
+    import importlib.util
+
+    from pipeline.errors import UserError
+
+    if optim == "adamw_bnb_8bit" and importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("optim adamw_bnb_8bit needs bitsandbytes, which is not installed here (pip install bitsandbytes)")
 
 
 def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim: str, gradient_accumulation: int,
