@@ -10,7 +10,9 @@ process skipped accelerate's autocast wrapper: its amp points computed in fp32 (
 GradScaler). `allocated_before_bytes` tells which earlier rows ran a Trainer (it is empty on rows
 settled without running). Rows are reported as `first` (no Trainer ran before in the process) and
 `later`; each is predicted as it ran (`later` with `prepared_before=True`, no autocast wrapper), and
-`later` also as asked (`--as-asked`), to show what a clean remeasurement should give.
+`later` also as asked (`--as-asked`), to show what a clean remeasurement should give. Rows measured
+by a client with the fix (their `git_commit` descends from FIXED_IN) are all predicted as asked;
+`--all-clean` does the same for every row (e.g. after a rebase renamed the fix's commit).
 
 Prints the table and writes it to benchmarks/results/trainer_accuracy.md; predictions are cached in
 benchmarks/results/trainer_accuracy_predictions.csv (delete it after a simulator change).
@@ -29,20 +31,34 @@ TABLES = {"trainer/h100": "tuned", "trainer/h200": "tuned", "trainer/h100_rechec
 KEY = ("model_id", "batch_size", "seq_len", "precision", "optim", "gradient_accumulation", "gradient_checkpointing",
        "attn_implementation", "prepared_before")
 GROUP = ("optim", "precision", "gradient_checkpointing", "gradient_accumulation")
+FIXED_IN = "57dc319"  # the GPU client drops accelerate's _is_accelerate_prepared mark from here on
 CACHE = ROOT / "benchmarks/results/trainer_accuracy_predictions.csv"
 OUT = ROOT / "benchmarks/results/trainer_accuracy.md"
 
 
-def table_rows(table: str):
-    """The table's Trainer rows that ran (ok / oom), with `position` (first | later) in the process."""
+def measured_by_fixed_client(commit) -> bool:
+    """Whether `commit` (a row's git_commit, maybe '-dirty') descends from FIXED_IN."""
+    import subprocess
+
+    if not isinstance(commit, str) or not commit:
+        return False
+    commit = commit.removesuffix("-dirty")
+    done = subprocess.run(["git", "merge-base", "--is-ancestor", FIXED_IN, commit], cwd=ROOT, capture_output=True)
+    return done.returncode == 0
+
+
+def table_rows(table: str, all_clean: bool = False):
+    """The table's Trainer rows that ran (ok / oom), with `position` (first | later) in the process
+    and `prepared_before` (a later row of a client without the fix)."""
     import pandas as pd
 
     frame = pd.read_parquet(ROOT / "results" / table / "peak_memory.parquet")
     frame = frame[frame["client"] == "trainer"].sort_values("started_at", kind="stable").copy()
     ran = frame["allocated_before_bytes"].notna().astype(int)
     earlier = ran.groupby(frame["child_pid"]).cumsum() - ran
-    frame["prepared_before"] = earlier > 0
-    frame["position"] = frame["prepared_before"].map({False: "first", True: "later"})
+    fixed = {c: all_clean or measured_by_fixed_client(c) for c in frame["git_commit"].dropna().unique()}
+    frame["prepared_before"] = (earlier > 0) & ~frame["git_commit"].map(fixed).fillna(all_clean).astype(bool)
+    frame["position"] = (earlier > 0).map({False: "first", True: "later"})
     frame["table"], frame["kind"] = table, TABLES[table]
     frame = frame[frame["status"].isin(["ok", "oom"])]
     for column in ("batch_size", "seq_len", "gradient_accumulation"):
@@ -126,7 +142,8 @@ def merged_rows(rows, predicted, as_asked: bool):
 def report(merged) -> str:
     lines = ["# Trainer simulator against the measured Trainer rows (benchmarks/trainer_accuracy.py)", "",
              "|error| in % of peak allocated and peak reserved, ok rows: median / p90 / worst. `first`: no",
-             "Trainer ran before in the row's process; `later`: predicted as it ran (no autocast wrapper).", "",
+             "Trainer ran before in the row's process; `later`: another did (rows of a client before "
+             f"{FIXED_IN}:", "predicted as they ran, without accelerate's autocast wrapper).", "",
              "| table | position | optim | precision | ckpt | K | rows | allocated | reserved | failed |",
              "|---|---|---|---|---|---:|---:|---|---|---:|"]
     ok = merged[merged["status"] == "ok"]
@@ -163,10 +180,11 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="use the cached predictions only")
     parser.add_argument("--as-asked", action="store_true", help="predict `later` rows as asked (autocast on)")
     parser.add_argument("--first-only", action="store_true", help="only rows that were the first of their process")
+    parser.add_argument("--all-clean", action="store_true", help="no row ran after a Trainer that left its mark")
     args = parser.parse_args()
-    rows = pd.concat([table_rows(table) for table in args.tables], ignore_index=True)
+    rows = pd.concat([table_rows(table, args.all_clean) for table in args.tables], ignore_index=True)
     if args.first_only:
-        rows = rows[~rows["prepared_before"]]
+        rows = rows[rows["position"] == "first"]
     rows = rows[rows["status"] == "ok"]
     wanted = rows.assign(prepared_before=rows["prepared_before"] & ~args.as_asked)[list(KEY)].drop_duplicates()
     predicted = pd.read_csv(CACHE) if args.report_only else predictions(wanted.to_dict("records"), args.workers)
