@@ -27,17 +27,91 @@ def run_trainer(device: str, precision: str, optim: str, accumulation: int = 1, 
     return simulate_trainer(model, 2, 24, precision, optim, accumulation, checkpointing, device_type=device)
 
 
-@pytest.mark.parametrize("precision,optim,accumulation", [("fp32", "adamw_torch_fused", 1),
-                                                          ("fp32", "adamw_torch_fused", 2), ("bf16", "sgd", 1)])
-def test_meta_trainer_equals_real_cpu_trainer(precision, optim, accumulation):
-    """The Trainer's three steps on the meta device count what a real CPU run of the same code counts."""
-    real = run_trainer("cpu", precision, optim, accumulation)
-    simulated = run_trainer("meta", precision, optim, accumulation)
+# the two quantile maps of bitsandbytes' 8-bit AdamW (256 fp32 each) are copied to a GPU (and to
+# the meta device) in its first step, a block of 1 KiB each; on a CPU they stay where they are
+BNB_QMAPS = 2 * 1024
+
+
+@pytest.mark.parametrize("precision,optim,accumulation,checkpointing", [
+    ("fp32", "adamw_torch_fused", 1, False), ("fp32", "adamw_torch_fused", 2, False), ("bf16", "sgd", 1, False),
+    ("amp-bf16", "adamw_torch_fused", 1, False), ("amp-fp16", "adamw_torch_fused", 1, False),
+    ("amp-fp16", "sgd", 2, True), ("fp32", "adafactor", 1, False), ("amp-bf16", "adamw_bnb_8bit", 1, False)])
+def test_meta_trainer_equals_real_cpu_trainer(precision, optim, accumulation, checkpointing):
+    """The Trainer's three steps on the meta device count what a real CPU run of the same code counts
+    (amp-fp16 on the CPU with a real GradScaler("cpu"), bitsandbytes with its CPU kernels)."""
+    real = run_trainer("cpu", precision, optim, accumulation, checkpointing)
+    simulated = run_trainer("meta", precision, optim, accumulation, checkpointing)
+    offset = BNB_QMAPS if optim == "adamw_bnb_8bit" else 0
     for phase in ("forward", "backward", "optimizer"):
-        assert simulated["phase_peaks"][phase] == real["phase_peaks"][phase], phase
+        assert simulated["phase_peaks"][phase] == real["phase_peaks"][phase] + offset, phase
     assert simulated["optimizer_state_bytes"] == real["optimizer_state_bytes"]  # sgd: none (momentum 0)
-    assert simulated["peak_bytes"] == real["peak_bytes"]
+    assert simulated["peak_bytes"] == real["peak_bytes"] + offset
     # (adamw_torch is left out: its `step` counters are host tensors, which a CPU run cannot tell apart)
+
+
+def test_bnb_8bit_state_is_one_byte_moments_and_block_absmax():
+    """adamw_bnb_8bit: uint8 exp_avg / exp_avg_sq and an fp32 absmax per 256 elements each; fp32
+    moments for parameters under 4096 elements (bitsandbytes' min_8bit_size) and for embeddings
+    (transformers' create_optimizer registers them with optim_bits=32); the quantile maps."""
+    import torch
+
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build
+
+    model = build(config_from_dict(TINY_LLAMA), "fp32", "eager", device="meta")
+    expected = 2 * 256 * 4  # qmap1, qmap2 (shared by all parameters)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for p in model.parameters():
+        if p.numel() < 4096 or id(p) in embeddings:
+            expected += 2 * 4 * p.numel()
+        else:
+            expected += 2 * p.numel() + 2 * 4 * -(-p.numel() // 256)
+    assert run_trainer("meta", "fp32", "adamw_bnb_8bit")["optimizer_state_bytes"] == expected
+
+
+def test_amp_fp16_adds_the_scaler_to_amp_bf16():
+    """Same casts as amp-bf16 (2-byte activations), plus accelerate's GradScaler: its scale, growth
+    tracker and found_inf, a 512-byte block each at the backward peak."""
+    fp16 = run_trainer("meta", "amp-fp16", "adamw_torch_fused")
+    bf16 = run_trainer("meta", "amp-bf16", "adamw_torch_fused")
+    assert fp16["phase_peaks"]["backward"] - bf16["phase_peaks"]["backward"] == 3 * 512
+    assert fp16["optimizer_state_bytes"] == bf16["optimizer_state_bytes"]
+
+
+def test_a_second_prediction_keeps_the_autocast_wrapper():
+    """accelerate marks a prepared model (`_is_accelerate_prepared`) and then leaves it unwrapped:
+    restore() drops the mark, so the cached meta model predicts the same twice; with the mark kept
+    (`prepared_before`, what the GPU client did before) the amp forward computes in fp32."""
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build
+    from pipeline.simulate.trainer import predict_trainer_peak, simulate_trainer
+
+    first = predict_trainer_peak(TINY_LLAMA, 2, 64)
+    assert predict_trainer_peak(TINY_LLAMA, 2, 64)["peak_bytes"] == first["peak_bytes"]
+    model = build(config_from_dict(TINY_LLAMA), "amp-bf16", "default", device="meta")
+    unwrapped = simulate_trainer(model, 2, 64, "amp-bf16", "adamw_torch_fused", 1, False, prepared_before=True)
+    fp32 = simulate_trainer(build(config_from_dict(TINY_LLAMA), "fp32", "default", device="meta"), 2, 64, "fp32",
+                            "adamw_torch_fused", 1, False)
+    assert unwrapped["phase_peaks"]["forward"] == fp32["phase_peaks"]["forward"] > first["phase_peaks"]["forward"]
+
+
+def test_the_gpu_client_autocasts_every_point_of_a_process():
+    """pipeline.clients.trainer on the CPU, twice on one model: both Trainers run the forward under
+    autocast (the second skipped it while restore() left accelerate's mark on the model)."""
+    import torch
+
+    from pipeline.clients.tracking import PhaseTracker
+    from pipeline.clients.trainer import run_steps
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build
+    from pipeline.step import Setting
+
+    model = build(config_from_dict(TINY_LLAMA), "amp-bf16", "eager", device="cpu")
+    seen = []
+    model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    for _ in range(2):
+        run_steps(model, Setting(client="trainer"), "amp-bf16", 2, 16, "cpu", PhaseTracker("cpu"), False)
+    assert seen == [torch.bfloat16] * 6
 
 
 def test_fused_adamw_state_is_two_moments_and_device_steps():
@@ -72,15 +146,49 @@ def test_gpt2_prediction_matches_the_committed_h100_row():
     assert row["peak_allocated_bytes"] == 4711264768
     config = load_configs(REPO / "results/configs.json")["openai-community/gpt2"].config
     result = predict_trainer_peak(config, 4, 512, "amp-bf16", "adamw_torch_fused")
-    assert result["peak_bytes"] == 4712725504  # +0.03%
+    assert result["peak_bytes"] == 4708675584  # -0.055%
     assert abs(result["peak_bytes"] / row["peak_allocated_bytes"] - 1) < 0.005
     assert result["peak_phase"] == "backward"
 
 
-@pytest.mark.parametrize("kwargs,message", [(dict(optim="lion"), "optim"), (dict(precision="amp-fp16"), "fp16"),
+@pytest.mark.parametrize("kwargs,message", [(dict(optim="lion"), "optim"), (dict(precision="fp8"), "precision"),
                                             (dict(gradient_accumulation=0), "gradient_accumulation")])
 def test_bad_arguments_raise_user_error(kwargs, message):
     from pipeline.simulate.trainer import predict_trainer_peak
 
     with pytest.raises(UserError, match=message):
         predict_trainer_peak(TINY_LLAMA, **dict(dict(batch_size=1, seq_len=8), **kwargs))
+
+
+def tied_head_backward(device: str, amp: bool, vocab: int, hidden: int = 1024, tokens: int = 16) -> float:
+    """Bytes above the start of the backward at its peak, in (vocab x hidden) fp32 matrices, of an
+    embedding tied to the LM head under the simulator's tracker, rules and accumulation rule."""
+    import torch
+
+    from pipeline.simulate.accumulation import accumulation_stand_ins
+    from pipeline.simulate.rules import KernelRules
+    from pipeline.simulate.tracker import LiveBytesTracker
+
+    embedding = torch.nn.Embedding(vocab, hidden, device=device)
+    ids = torch.randint(0, vocab, (1, tokens)).to(device)
+    rules, tracker = KernelRules(device), LiveBytesTracker(device, stand_ins=accumulation_stand_ins())
+    tracker.track(embedding.weight, "parameters")
+    with rules, tracker:
+        with rules.autocast(torch.bfloat16) if amp else torch.autocast("cpu", enabled=False):
+            logits = torch.nn.functional.linear(embedding(ids), embedding.weight)
+        loss = logits.float().logsumexp(-1).sum()
+        start = tracker.live
+        tracker.start_phase("backward", "activations")
+        loss.backward()
+    return (tracker.peaks["backward"].total - start) / (vocab * hidden * 4)
+
+
+def test_tied_gradients_accumulate_in_place_as_on_cuda():
+    """Measured on an H100 (torch 2.11, this module's toy, no dispatch mode): 1.49 matrices under
+    amp (the head's fp32 gradient stolen by autograd's accumulation), 3.17 in fp32 (the head's
+    gradient is a view: a new sum; 0.17 is CUDA's embedding-backward scratch, not simulated). Under a
+    pass-through TorchDispatchMode the H100 measured 2.50 for amp: the out-of-place sum that the rule
+    corrects. A real CPU run counts the same as the meta device."""
+    assert abs(tied_head_backward("meta", True, 50000) - 1.492) < 0.01  # 1.4845
+    assert round(tied_head_backward("meta", False, 50000), 2) == 3.0
+    assert tied_head_backward("cpu", True, 4096, 64) == tied_head_backward("meta", True, 4096, 64)

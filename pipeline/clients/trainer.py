@@ -116,9 +116,9 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
 
 
 def restore(model) -> None:
-    """The model as built: without accelerate's autocast wrapper of its forward, checkpointing off."""
-    # accelerate marks a model it prepared and never wraps it again: a second Trainer on the same
-    # model would run without its autocast (fp32 activations; the inflated consecutive points)
+    """The model as built: without accelerate's autocast wrapper of its forward and its mark
+    `_is_accelerate_prepared` (left set, the next Trainer's `prepare_model` skips the autocast wrapper:
+    the next point of the process computes in fp32), checkpointing off."""
     for name in ("forward", "_original_forward", "_is_accelerate_prepared"):
         model.__dict__.pop(name, None)
     set_training_mode(model, Setting())

@@ -4,22 +4,35 @@ settings beyond the standard step"; the GPU run is `pipeline.clients.trainer`) o
 The real transformers.Trainer and accelerate code runs under the live-byte tracker and CUDA's
 kernel rules, as `pipeline.simulate.step` runs the standard step: `Trainer.create_optimizer`
 (the `optim` name resolved by transformers), accelerate's `prepare_model` (its autocast wrapper of
-the forward and `convert_outputs_to_fp32`), `Trainer.training_step` (`compute_loss` with
-`num_items_in_batch`, `accelerator.backward`), `Trainer._clip_grad_norm` (accelerate's
-`clip_grad_norm_`: torch's foreach norms), `optimizer.step`, the scheduler and `model.zero_grad`,
-in the order `Trainer._run_epoch` calls them, for three optimizer steps of K micro-batches. The
-loop itself (`_inner_training_loop` / `_run_epoch`: callbacks, logging, the dataloader) is
-re-stated here, not run: it holds nothing on the device but the K micro-batches and the running
-loss, which are made here the same way.
+the forward and `convert_outputs_to_fp32`) and `prepare_optimizer` (`AcceleratedOptimizer`, which
+steps through the GradScaler in amp-fp16), `Trainer.training_step` (`compute_loss` with
+`num_items_in_batch`, `accelerator.backward`: `scaler.scale(loss).backward()` in amp-fp16),
+`Trainer._clip_grad_norm` (accelerate's `clip_grad_norm_`: the scaler's unscale, torch's foreach
+norms), `optimizer.step`, the scheduler and `model.zero_grad`, in the order `Trainer._run_epoch`
+calls them, for three optimizer steps of K micro-batches. The loop itself (`_inner_training_loop` /
+`_run_epoch`: callbacks, logging, the dataloader) is re-stated here, not run: it holds nothing on
+the device but the K micro-batches and the running loss, which are made here the same way.
 
 What differs from a CUDA run, and is stood in for (`MetaRules`):
 - the model stays on the meta device (`place_model_on_device` off, the accelerator built with
   `use_cpu=True` so that it never asks for a GPU), the micro-batches are moved to it;
-- accelerate's autocast context is CUDA's (`KernelRules.autocast`), not the CPU's that it picks;
+- accelerate's autocast context is CUDA's (`KernelRules.autocast`, bf16 or fp16), not the CPU's
+  that it picks; amp-fp16's scaler is the one accelerate makes on a GPU (`GradScaler("cuda")`,
+  defaults) made on the simulated device (on a CPU accelerate makes none), and its `found_inf`
+  reads "no inf" (`pipeline.simulate.scaler`);
 - fused AdamW (`adamw_torch_fused`) refuses meta parameters in `_device_dtype_check_for_fused`:
   meta is added to the devices that check accepts, and the step runs torch's real `_fused_adam`
   path; `torch._fused_adamw_` is in place and allocates nothing (its meta kernel likewise), so the
   state (exp_avg, exp_avg_sq, and a 0-dim fp32 `step` on the device per parameter) is all.
+- autograd's sum of two gradients for one tensor is in place where CUDA's engine steals the first
+  (`pipeline.simulate.accumulation`; the dispatch mode alone made it out of place): a tied
+  embedding under amp holds one V x H fp32 matrix less at the end of the backward;
+- adamw_bnb_8bit: nothing. bitsandbytes' real `AdamW8bit` runs: its state is made with
+  `torch.zeros_like`/`torch.zeros` on the parameter's device (uint8 moments, fp32 absmax per block
+  of 256; fp32 moments for parameters under 4096 elements and for embeddings, which transformers'
+  `create_optimizer` registers with optim_bits=32), its quantile maps are copied there, and
+  its update `torch.ops.bitsandbytes.optimizer_update_{8bit_blockwise,32bit}` is in place, with
+  fake kernels registered by bitsandbytes (`_ops.py`) that allocate nothing, as the CUDA kernels do.
 Data collation's pinned CPU memory is host memory: not counted.
 """
 
@@ -32,8 +45,8 @@ from pipeline.simulate.predict import _as_config, _attention, _config_key, cache
 from pipeline.step import STEPS
 from pipeline.vocabulary import check_choice, check_positive_int
 
-TRAINER_OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd")
-TRAINER_PRECISIONS = ("fp32", "bf16", "amp-bf16")
+TRAINER_OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adamw_bnb_8bit")
+TRAINER_PRECISIONS = ("fp32", "bf16", "amp-bf16", "amp-fp16")
 PHASES = ("setup", "forward", "backward", "optimizer")
 
 
@@ -41,7 +54,8 @@ def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str =
                          optim: str = "adamw_torch_fused", gradient_accumulation: int = 1,
                          gradient_checkpointing: bool = False, attn_implementation: str | None = None) -> dict:
     """Predicted `torch.cuda.max_memory_allocated()` (peak_bytes) and `max_memory_reserved()`
-    (peak_reserved_bytes) of `Trainer.train()` for three optimizer steps (client = trainer), the
+    (peak_reserved_bytes) of `Trainer.train()` for three optimizer steps (client = trainer;
+    precision in TRAINER_PRECISIONS, optim in TRAINER_OPTIMS), the
     cuBLAS workspaces of an earlier point in the process included, as `predict_peak` counts them.
     Also: components (bytes by role at the peak), phase_peaks, peak_phase, optimizer_state_bytes,
     peak_reserved_expandable_bytes, seconds."""
@@ -50,6 +64,7 @@ def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str =
     check_choice("precision", precision, TRAINER_PRECISIONS)
     check_choice("optim", optim, TRAINER_OPTIMS)
     check_positive_int("gradient_accumulation", gradient_accumulation)
+    check_installed(optim)
     config = _as_config(config)
     model = cached_meta_model(_config_key(config), precision, _attention(attn_implementation))
     result = simulate_trainer(model, batch_size, seq_len, precision, optim, gradient_accumulation,
@@ -58,22 +73,39 @@ def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str =
     return result
 
 
+def check_installed(optim: str) -> None:
+    """The simulator runs the optimizer's own code: its package must be importable here."""
+    import importlib.util
+
+    from pipeline.errors import UserError
+
+    if optim == "adamw_bnb_8bit" and importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("optim adamw_bnb_8bit needs bitsandbytes, which is not installed here (pip install bitsandbytes)")
+
+
 def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim: str, gradient_accumulation: int,
-                     gradient_checkpointing: bool, device_type: str = "meta", steps: int = STEPS) -> dict:
+                     gradient_checkpointing: bool, device_type: str = "meta", steps: int = STEPS,
+                     prepared_before: bool = False) -> dict:
     """Run the Trainer's steps on `model` (on `device_type`) under the tracker; `device_type="cpu"`
-    with real weights runs the same code for real (the tests compare both)."""
+    with real weights runs the same code for real (the tests compare both). `prepared_before`: the
+    model was prepared by an earlier Trainer that left accelerate's mark on it (the GPU client did,
+    before commit 57dc319, from the second point of a process on): no autocast wrapper."""
     import torch
 
+    from pipeline.simulate.accumulation import accumulation_stand_ins
     from pipeline.simulate.allocator import CachingAllocator, ExpandableSegments, Fanout
     from pipeline.simulate.kernels import CUBLAS_WORKSPACES, host_outputs, workspace_rules
     from pipeline.simulate.rules import KernelRules
+    from pipeline.simulate.scaler import scaler_stand_ins
     from pipeline.simulate.stand_ins import UniformValues, scalar_stand_ins
     from pipeline.simulate.tracker import LiveBytesTracker
 
     meta = device_type == "meta"
     rules = KernelRules(device_type)
     reserved = Fanout([CachingAllocator(), ExpandableSegments()])
-    tracker = LiveBytesTracker(device_type, workspace_rules(), scalar_stand_ins() if meta else None,
+    stand_ins = {**scalar_stand_ins(), **scaler_stand_ins()} if meta else {}
+    stand_ins.update(accumulation_stand_ins())  # on a real CPU run too: it is the engine's rule, not the device's
+    tracker = LiveBytesTracker(device_type, workspace_rules(), stand_ins,
                                UniformValues() if meta else None, CachingAllocator(), host_outputs(), reserved)
     for tensor in list(model.parameters()) + list(model.buffers()):
         tracker.track(tensor, "parameters")
@@ -82,6 +114,7 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
         tracker.track(workspace, "activations")
     run = TrainerRun(model, batch_size, seq_len, precision, optim, gradient_accumulation, gradient_checkpointing,
                      device_type, rules, tracker)
+    run.prepared_before = prepared_before
     try:
         with rules, tracker, fused_on(device_type):
             run.setup()
@@ -132,6 +165,7 @@ class TrainerRun:
                        for p in model.parameters() if p.requires_grad]
         self.batches = None
         self.tr_loss = None
+        self.prepared_before = False
 
     def setup(self) -> None:
         """`_prepare_for_training` and the start of `_inner_training_loop`."""
@@ -151,7 +185,7 @@ class TrainerRun:
             for group in trainer.optimizer.param_groups:
                 if group.get("foreach", False) is None and not group.get("fused"):
                     group["foreach"] = True
-        prepare_model(trainer, self.model, self.rules, self.precision)
+        prepare_model(trainer, self.model, self.rules, self.precision, self.prepared_before)
         trainer.create_scheduler(num_training_steps=STEPS)
         self.tr_loss = torch.tensor(0.0, device=self.device_type)
         self.model.zero_grad()

@@ -59,25 +59,39 @@ def enable_checkpointing(trainer: Trainer, model) -> None:
                                         every_n_layers=every_n_layers, offload=offload)
 
 
-def prepare_model(trainer: Trainer, model, rules, precision: str) -> None:
-    """accelerate's `prepare_model` without device placement, its autocast context CUDA's."""
+AUTOCAST_DTYPES = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
+
+
+def prepare_model(trainer: Trainer, model, rules, precision: str, prepared_before: bool = False) -> None:
+    """accelerate's `prepare_model` and `prepare_optimizer` without device placement, as
+    `Trainer._prepare_for_training` calls them (`accelerator.prepare(model, optimizer)`), its autocast
+    context CUDA's. amp-fp16: the accelerator gets the scaler that accelerate makes on a GPU
+    (`get_grad_scaler`: `torch.amp.GradScaler("cuda")`, defaults) on the simulated device; on a CPU
+    accelerate makes none. `prepared_before`: the model carries accelerate's `_is_accelerate_prepared`
+    from an earlier Trainer, so `prepare_model` leaves its forward unwrapped (no autocast)."""
     import accelerate.accelerator as accelerator_module
 
     accelerator = trainer.accelerator
-    if precision == "amp-bf16":
-        accelerator.native_amp = True  # accelerate on a CPU decides by the CPU's bf16 support
+    if precision in AUTOCAST_DTYPES:
+        accelerator.native_amp = True  # accelerate on a CPU decides by the CPU's bf16 support / no fp16
+    if precision == "amp-fp16":
+        accelerator.scaler = torch.amp.GradScaler(trainer.simulated_device.type)
+    if prepared_before:
+        model._is_accelerate_prepared = True
+    dtype = AUTOCAST_DTYPES.get(precision, torch.bfloat16)
     original = accelerator_module.get_mixed_precision_context_manager
-    accelerator_module.get_mixed_precision_context_manager = lambda *a, **k: rules.autocast(torch.bfloat16)
+    accelerator_module.get_mixed_precision_context_manager = lambda *a, **k: rules.autocast(dtype)
     try:
         accelerator.prepare_model(model, device_placement=False)
     finally:
         accelerator_module.get_mixed_precision_context_manager = original
+    trainer.optimizer = accelerator.prepare_optimizer(trainer.optimizer, device_placement=False)
 
 
 def restore(model, trainer) -> None:
-    """The model as built: without accelerate's wrapper of its forward, checkpointing off."""
-    # accelerate marks a model it prepared and never wraps it again: a second Trainer on the same
-    # model would run without its autocast (fp32 activations; the inflated consecutive points)
+    """The model as built: without accelerate's wrapper of its forward and its mark
+    `_is_accelerate_prepared` (with it, the next Trainer's `prepare_model` returns the model as it is:
+    no autocast wrapper, so an amp run computes in fp32), checkpointing off."""
     for name in ("forward", "_original_forward", "_is_accelerate_prepared"):
         model.__dict__.pop(name, None)
     if getattr(model, "is_gradient_checkpointing", False):
