@@ -269,12 +269,18 @@ def add_adapter_arguments(parser) -> None:
 
 def adapter_from_arguments(args) -> AdapterSpec | None:
     """The AdapterSpec the arguments ask for (None: full fine-tuning)."""
-    if args.peft_config:
-        if args.lora_r or args.lora_alpha or args.lora_targets:
+    return adapter_from_options(args.lora_r, args.lora_alpha, args.lora_targets, args.quantization, args.peft_config)
+
+
+def adapter_from_options(lora_r=None, lora_alpha=None, lora_targets=None, quantization=None,
+                         peft_config=None) -> AdapterSpec | None:
+    """The AdapterSpec of the options (command line or Python; None: full fine-tuning)."""
+    if peft_config:
+        if lora_r or lora_alpha or lora_targets:
             raise UserError("--peft-config gives r, alpha and targets: leave out --lora-r, --lora-alpha, --lora-targets")
-        return AdapterSpec.from_peft_config(args.peft_config, args.quantization)
-    if args.lora_r is None:
-        if args.lora_alpha or args.lora_targets or args.quantization:
+        return AdapterSpec.from_peft_config(peft_config, quantization)
+    if lora_r is None:
+        if lora_alpha or lora_targets or quantization:
             raise UserError("--lora-alpha, --lora-targets and --quantization need --lora-r (or --peft-config)")
         return None
-    return AdapterSpec.make(args.lora_r, args.lora_alpha, args.lora_targets or ALL_LINEAR, args.quantization)
+    return AdapterSpec.make(lora_r, lora_alpha, lora_targets or ALL_LINEAR, quantization)

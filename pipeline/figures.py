@@ -22,7 +22,9 @@ FIGURES = {
     "saved_bytes_vs_seq_len": ("activations.parquet",),
     "formula_vs_counted": ("coefficients.json",),
     "formula_residuals_by_family": ("coefficients.json",),
+    "full_vs_lora_vs_qlora": ("peak_memory.parquet", "lora/h100/peak_memory.parquet"),
 }
+ADAPTER_MODELS = ("Qwen/Qwen3-0.6B", "meta-llama/Llama-3.2-1B", "google/gemma-2-2b", "meta-llama/Llama-3.2-3B")
 BAND_RESAMPLES = 1000
 
 
@@ -379,6 +381,40 @@ def draw_peak_vs_tokens(results_dir: Path):
     return figure
 
 
+def adapter_series(full, lora, model_id: str) -> dict:
+    """Measured ok peaks of one model in bf16 without checkpointing: full fine-tuning (AdamW, the
+    standard step), LoRA r=16 on all linears, QLoRA (nf4 base) r=16 on all linears."""
+    def ok(frame):
+        return frame[(frame["model_id"] == model_id) & (frame["status"] == "ok") & (frame["precision"] == "bf16")
+                     & ~frame["gradient_checkpointing"].fillna(False).astype(bool)]
+
+    full = ok(full)
+    full = full[(full["optimizer"] == "adamw") & (full.get("variant", "standard") == "standard")]
+    lora = ok(lora)
+    lora = lora[(lora["lora_r"] == 16) & (lora["lora_targets"] == "all-linear") & (lora["client"] == "loop")]
+    return {"full fine-tuning": full, "LoRA r=16": lora[lora["quantization"].isna()],
+            "QLoRA nf4 r=16": lora[lora["quantization"].notna()]}
+
+
+def draw_full_vs_lora_vs_qlora(results_dir: Path):
+    import matplotlib.pyplot as plt
+
+    full, lora = read(results_dir, "peak_memory.parquet"), read(results_dir, "lora/h100/peak_memory.parquet")
+    figure, axes = plt.subplots(1, len(ADAPTER_MODELS), figsize=(4.2 * len(ADAPTER_MODELS), 4), squeeze=False,
+                                layout="constrained")
+    for ax, model_id in zip(axes[0], ADAPTER_MODELS):
+        for colour, (label, rows) in enumerate(adapter_series(full, lora, model_id).items()):
+            rows = rows.assign(tokens=rows["batch_size"] * rows["seq_len"]).sort_values("tokens")
+            ax.plot(rows["tokens"], rows["peak_allocated_bytes"] / GIB, "o-", ms=4, lw=1, color=f"C{colour}",
+                    label=label)
+        ax.set(xscale="log", xlabel="tokens per step B×L", ylabel="peak allocated (GiB)", title=model_id)
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(fontsize=7)
+    figure.suptitle("Full fine-tuning vs LoRA vs QLoRA, bf16, no checkpointing (measured; QLoRA's fp32 upcasts "
+                    "of prepare_model_for_kbit_training make it the largest at long sequences)")
+    return figure
+
+
 def draw_saved_bytes_vs_seq_len(results_dir: Path):
     import matplotlib.pyplot as plt
 
@@ -417,6 +453,7 @@ DRAWERS = {
     "saved_bytes_vs_seq_len": draw_saved_bytes_vs_seq_len,
     "formula_vs_counted": draw_formula_vs_counted,
     "formula_residuals_by_family": draw_formula_residuals_by_family,
+    "full_vs_lora_vs_qlora": draw_full_vs_lora_vs_qlora,
 }
 
 

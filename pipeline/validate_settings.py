@@ -30,8 +30,8 @@ from pipeline.validate import _predicted, error_summary
 
 ESTIMATORS = ("blog", "heuristic", "formula", "exact")
 SETTING_KEY = ("model_id", "precision", "client", "optim", "optimizer", "gradient_accumulation",
-               "gradient_checkpointing", "batch_size", "seq_len")
-ROW_COLUMNS = (*SETTING_KEY, "model_type", "family", "parameters", "status", "device", "split")
+               "gradient_checkpointing", "batch_size", "seq_len", "lora_r", "lora_alpha", "lora_targets", "quantization")
+ROW_COLUMNS = (*SETTING_KEY, "model_type", "family", "parameters", "status", "device", "split", "setting")
 
 
 def settings_rows(tables: dict):
@@ -48,14 +48,35 @@ def settings_rows(tables: dict):
     rows = pd.concat(frames, ignore_index=True)
     rows["gradient_checkpointing"] = rows["gradient_checkpointing"].fillna(False).astype(bool)
     rows["gradient_accumulation"] = rows["gradient_accumulation"].fillna(1).astype(int)
+    for column in ("lora_r", "lora_alpha", "lora_targets", "quantization"):
+        if column not in rows.columns:
+            rows[column] = None
+    rows["setting"] = [setting_name(row) for row in rows.itertuples(index=False)]
     return rows
+
+
+def setting_name(row) -> str:
+    """full (fine-tuning), lora or qlora: the validation's groups."""
+    if _text(row.lora_r) == "":
+        return "full"
+    return "qlora" if _text(row.quantization) else "lora"
+
+
+def adapter_of(row):
+    from pipeline.adapters import AdapterSpec
+
+    if _text(row.lora_r) == "":
+        return None
+    quantization = _text(row.quantization) or None
+    alpha = _text(row.lora_alpha)
+    return AdapterSpec.make(int(row.lora_r), int(float(alpha)) if alpha else None, row.lora_targets, quantization)
 
 
 def run_of(row) -> Run:
     client = row.client or "loop"
     return Run(int(row.batch_size), int(row.seq_len), row.precision, row.optimizer if client == "loop" else None,
                bool(row.gradient_checkpointing), client=client, optim=row.optim if client != "loop" else None,
-               gradient_accumulation=int(row.gradient_accumulation))
+               gradient_accumulation=int(row.gradient_accumulation), adapter=adapter_of(row))
 
 
 def setting_key(row) -> tuple:
@@ -176,10 +197,10 @@ def summary_table(table):
     import pandas as pd
 
     records = []
-    for (split, client, estimator, device), group in table.groupby(["split", "client", "estimator", "device"],
-                                                                    sort=False):
-        records.append({"split": split, "client": client, "estimator": estimator, "device": device,
-                        **error_summary(group)})
+    for (split, setting, client, estimator, device), group in table.groupby(
+            ["split", "setting", "client", "estimator", "device"], sort=False):
+        records.append({"split": split, "setting": setting, "client": client, "estimator": estimator,
+                        "device": device, **error_summary(group)})
     return pd.DataFrame.from_records(records)
 
 
@@ -187,12 +208,12 @@ def summary_markdown(summary) -> str:
     def pct(value):
         return "" if value is None or value != value else f"{100 * value:.1f}%"
 
-    lines = ["| split | client | estimator | device | points | median | p90 | worst | reserved median | "
-             "reserved p90 | fit right (reserved) |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| split | setting | client | estimator | device | points | median | p90 | worst | reserved median | "
+             "reserved p90 | fit right (reserved) |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary.itertuples(index=False):
         fit = "" if r.reserved_fit_accuracy is None or r.reserved_fit_accuracy != r.reserved_fit_accuracy else \
             f"{100 * r.reserved_fit_accuracy:.1f}% of {r.reserved_fit_points}"
-        lines.append(f"| {r.split} | {r.client} | {r.estimator} | {r.device} | {r.points} | "
+        lines.append(f"| {r.split} | {r.setting} | {r.client} | {r.estimator} | {r.device} | {r.points} | "
                      f"{pct(r.median_abs_relative_error)} | {pct(r.p90_abs_relative_error)} | "
                      f"{pct(r.worst_abs_relative_error)} | {pct(r.reserved_median_abs_relative_error)} | "
                      f"{pct(r.reserved_p90_abs_relative_error)} | {fit} |")

@@ -133,6 +133,7 @@ def available_results():
     names = {"configs.json", "models.parquet", "activations.parquet", "coefficients.json"}
     if HAVE_PEAKS:
         names |= {"peak_memory.parquet", "validation.parquet"}
+    names |= {name for name in ("lora/h100/peak_memory.parquet",) if Path("results", name).exists()}
     return names
 
 

@@ -14,14 +14,14 @@ LAYERS = {
     "inputs": ("registry", "configs", "modeling"),
     "measuring": ("adapters", "step", "autocast", "activations", "clients", "memory", "sweep", "simulate"),
     "knowledge": ("devices", "formulas", "features", "hook_features", "coefficients", "formula_fit", "formula_peak",
-                  "formula_regression", "line_fit", "peak_constants", "fit"),
+                  "formula_regression", "line_fit", "peak_constants", "fit", "adapter_terms"),
     "answers": ("estimate", "validate", "validate_settings"),
     "outputs": ("figures", "dataset", "publish"),
     "entry": ("cli", "__main__", "__init__"),
 }
 RANK = {unit: rank for rank, units in enumerate(LAYERS.values()) for unit in units}
 # Knowledge is pure: a formula or a coefficient file is usable without torch or transformers.
-PURE = ("devices", "formulas", "features", "hook_features", "coefficients")
+PURE = ("devices", "formulas", "features", "hook_features", "coefficients", "adapter_terms")
 
 
 def module_name(path: Path) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pipeline.adapters import adapter_from_options
 from pipeline.devices import Device
 from pipeline.estimate.estimators import ESTIMATORS, Estimator
 from pipeline.estimate.search import largest_batch, largest_seq
@@ -22,7 +23,7 @@ def prepare(method, coefficients, model=None, config=None, params=None, active_p
 
 def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing=None, attn_implementation=None,
              expandable_segments=False, client=None, optim=None, gradient_accumulation=None,
-             training_args=None, num_gpus=1, sharding=None) -> tuple[Run, list]:
+             training_args=None, num_gpus=1, sharding=None, adapter=None) -> tuple[Run, list]:
     """The Run of the user's options, and notes. `training_args` (a TrainingArguments JSON path or
     dict) sets the trainer client and what it names; an option given explicitly wins over it."""
     given = {"batch": batch, "precision": precision, "checkpointing": checkpointing, "client": client,
@@ -42,14 +43,16 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
         raise UserError("the sequence length is required: --seq (seq=)")
     run = Run(given["batch"], seq, given["precision"], optimizer, bool(given["checkpointing"]), attn_implementation,
               expandable_segments, given["client"] or "loop", given["optim"],
-              1 if given["gradient_accumulation"] is None else given["gradient_accumulation"], num_gpus, sharding)
+              1 if given["gradient_accumulation"] is None else given["gradient_accumulation"], num_gpus, sharding,
+              adapter)
     return run, notes
 
 
 def estimate(model=None, config=None, params=None, *, batch=None, seq, precision=None, optimizer=None,
              checkpointing=None, method="heuristic", coefficients=None, gpu=None, gpu_memory_gib=None,
              attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
-             gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None) -> dict:
+             gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None, lora_r=None,
+             lora_alpha=None, lora_targets=None, quantization=None, peft_config=None) -> dict:
     """Peak memory of a training step at (batch, seq), with its components (bytes).
 
     Give one of `model` (registry or Hub id), `config` (config.json path, its dict, or a
@@ -65,11 +68,15 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq, precision
     adamw_torch_fused, `gradient_accumulation` micro-batches per step); `training_args` (a
     TrainingArguments JSON path or dict) sets the trainer and what it names.
 
+    LoRA: `lora_r` (rank), `lora_alpha` (default 2r), `lora_targets` ("all-linear" or module names
+    joined by commas), `quantization` (nf4 | int8: QLoRA), or `peft_config` (an adapter_config.json).
+
     Several GPUs: `num_gpus` N and `sharding` ddp | fsdp | fsdp-no-reshard (FSDP2 per decoder layer
     and the root); `batch` is per GPU and the answer is one GPU's (rank 0), its fit verdict per GPU.
     """
     run, notes = make_run(batch, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
-                          client, optim, gradient_accumulation, training_args, num_gpus, sharding)
+                          client, optim, gradient_accumulation, training_args, num_gpus, sharding,
+                      adapter_from_options(lora_r, lora_alpha, lora_targets, quantization, peft_config))
     check_choice("method", method, METHODS)
     dev = resolve_device(gpu, gpu_memory_gib)
     estimator, target = prepare(method, coefficients, model, config, params, active_params)
@@ -92,6 +99,7 @@ def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = 
               "batch_size": run.batch, "seq_len": run.seq, "precision": run.precision, "client": run.client,
               "optimizer": run.optimizer, "optim": run.optim, "gradient_accumulation": run.gradient_accumulation,
               "num_gpus": run.num_gpus, "sharding": run.sharding,
+              "adapter": None if run.adapter is None else run.adapter.columns(),
               "checkpointing": run.checkpointing, "expandable_segments": run.expandable_segments,
               **estimated.details, "components": estimated.components, "peak_formula": estimator.peak_formula,
               "peak_bytes": peak, "peak_gib": peak / GIB,
@@ -113,11 +121,13 @@ def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = 
 def max_batch_size(model=None, config=None, params=None, *, seq, precision=None, gpu=None, gpu_memory_gib=None,
                    optimizer=None, checkpointing=None, method="heuristic", coefficients=None,
                    attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
-                   gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None) -> int:
+                   gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None, lora_r=None,
+             lora_alpha=None, lora_targets=None, quantization=None, peft_config=None) -> int:
     """The largest batch that fits the GPU at sequence length `seq` (0: none), by the fit verdict;
     the options are `estimate`'s."""
     run, _ = make_run(1, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
-                      client, optim, gradient_accumulation, training_args, num_gpus, sharding)
+                      client, optim, gradient_accumulation, training_args, num_gpus, sharding,
+                      adapter_from_options(lora_r, lora_alpha, lora_targets, quantization, peft_config))
     check_choice("method", method, METHODS)
     dev = required_device(gpu, gpu_memory_gib)
     estimator, target = prepare(method, coefficients, model, config, params, active_params)
@@ -127,11 +137,13 @@ def max_batch_size(model=None, config=None, params=None, *, seq, precision=None,
 def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=None, gpu=None, gpu_memory_gib=None,
                 optimizer=None, checkpointing=None, method="heuristic", coefficients=None,
                 attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
-                gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None) -> int:
+                gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None, lora_r=None,
+             lora_alpha=None, lora_targets=None, quantization=None, peft_config=None) -> int:
     """The longest sequence that fits the GPU at batch size `batch` (0: none), by the fit verdict,
     at most the model's context length when its config gives one; the options are `estimate`'s."""
     run, _ = make_run(batch, 1, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
-                      client, optim, gradient_accumulation, training_args, num_gpus, sharding)
+                      client, optim, gradient_accumulation, training_args, num_gpus, sharding,
+                      adapter_from_options(lora_r, lora_alpha, lora_targets, quantization, peft_config))
     check_choice("method", method, METHODS)
     dev = required_device(gpu, gpu_memory_gib)
     estimator, target = prepare(method, coefficients, model, config, params, active_params)

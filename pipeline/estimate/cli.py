@@ -14,6 +14,7 @@ from pipeline.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS
 
 
 def add_cli(subparsers) -> None:
+    from pipeline.adapters import add_adapter_arguments
     from pipeline.arguments import positive_int
     from pipeline.paths import DEFAULT_COEFFICIENTS
 
@@ -38,6 +39,7 @@ def add_cli(subparsers) -> None:
                         help="a TrainingArguments JSON (to_json_string()): the trainer client with its batch, "
                              "accumulation, bf16/fp16, checkpointing and optim; explicit options win")
     parser.add_argument("--checkpointing", action="store_true", default=None, help="gradient checkpointing")
+    add_adapter_arguments(parser)
     parser.add_argument("--num-gpus", type=positive_int, default=1, metavar="N",
                         help="GPUs of a data-parallel run (with --sharding; --batch is per GPU)")
     parser.add_argument("--sharding", choices=SHARDINGS, default=None,
@@ -59,6 +61,8 @@ def add_cli(subparsers) -> None:
 
 
 def _estimate_command(args) -> int:
+    from pipeline.adapters import adapter_from_arguments
+
     searching = "--max-batch-size" if args.max_batch_size else "--max-seq-len" if args.max_seq_len else None
     if searching and args.gpu is None and args.gpu_memory is None:
         raise UserError(f"{searching} needs --gpu NAME or --gpu-memory GIB")
@@ -67,7 +71,8 @@ def _estimate_command(args) -> int:
     batch = 1 if args.max_batch_size and args.batch is None else args.batch
     run, notes = make_run(batch, args.seq or 1, args.precision, args.optimizer, args.checkpointing,
                           args.attn_implementation, args.expandable_segments, args.client, args.optim,
-                          args.gradient_accumulation, args.training_args, args.num_gpus, args.sharding)
+                          args.gradient_accumulation, args.training_args, args.num_gpus, args.sharding,
+                          adapter_from_arguments(args))
     dev = resolve_device(args.gpu, args.gpu_memory)
     estimator, target = prepare(args.method, args.coefficients, args.model, args.config, args.params,
                                 args.active_params)
@@ -86,13 +91,19 @@ def _estimate_command(args) -> int:
     return 0
 
 
+def adapter_text(adapter: dict) -> str:
+    base = f"{adapter['quantization']} base" if adapter["quantization"] else "frozen base"
+    return f", LoRA r={adapter['lora_r']} on {adapter['lora_targets']} ({base})"
+
+
 def human_summary(result: dict) -> str:
     optimizer = result["optimizer"] if result["client"] == "loop" else f"Trainer, {result['optim']}"
     accumulation = result["gradient_accumulation"]
     lines = [f"{result['method']}: {result['peak_bytes'] / GIB:.2f} GiB peak for N = {result['parameters']:,} "
              f"at B={result['batch_size']}, L={result['seq_len']}, {result['precision']}, {optimizer}"
              + (f", K={accumulation}" if accumulation > 1 else "") + (", checkpointing" if result["checkpointing"] else "")
-             + (f", one of {result['num_gpus']} GPUs ({result['sharding']})" if result["sharding"] else "")]
+             + (f", one of {result['num_gpus']} GPUs ({result['sharding']})" if result["sharding"] else "")
+             + (adapter_text(result["adapter"]) if result["adapter"] else "")]
     for name, value in (result["components"] or {}).items():
         lines.append(f"  {name:<24} {value / GIB:10.2f} GiB")
     lines.append(f"  {'peak reserved':<24} {result['peak_reserved_bytes'] / GIB:10.2f} GiB (the allocator's segments)")

@@ -45,6 +45,20 @@ class ClosedFormEstimator(Estimator):
 
     ratio = None  # reserved / allocated: reserved_ratio(coefficients)
 
+    @staticmethod
+    def with_adapter(components: dict, target: Target, run: Run) -> dict:
+        """The components with the base frozen (and quantized) and LoRA adapters trained."""
+        if run.adapter is None:
+            return components
+        if target.config is None:
+            raise UserError("LoRA needs the model's shape (--model or --config): the adapters' size follows it")
+        from pipeline.adapter_terms import adapter_components
+        from pipeline.features import read_facts
+
+        spec = run.adapter
+        return adapter_components(components, read_facts(config_dict(target.config)), target.parameters,
+                                  run.precision, run.optimizer_key, spec.r, spec.targets, spec.quantization)
+
     def with_reserved(self, estimate: Estimate) -> Estimate:
         estimate.reserved_bytes = estimate.peak_bytes * self.ratio["value"]
         estimate.reserved_expandable_bytes = estimate.peak_bytes + EXPANDABLE_SLACK
@@ -82,8 +96,9 @@ class BlogEstimator(ClosedFormEstimator):
 
     def predict(self, target: Target, run: Run) -> Estimate:
         n = target.parameters
-        components = shard_components(blog_components(n, run.batch, run.seq, run.precision, run.optimizer_key,
-                                                      run.checkpointing), run.num_gpus, run.sharding)
+        components = shard_components(self.with_adapter(blog_components(
+            n, run.batch, run.seq, run.precision, run.optimizer_key, run.checkpointing), target, run),
+            run.num_gpus, run.sharding)
         return self.with_reserved(Estimate(blog_peak(components), components, {
             "activations_per_token": blog_a_bytes(n),
             "activations_per_token_unit": "fp32 bytes (as published; the formula multiplies by P again)",
@@ -126,9 +141,9 @@ class HeuristicEstimator(FittedEstimator):
 
     def predict(self, target: Target, run: Run) -> Estimate:
         elements, multiplier, factor = self.terms(target, run)
-        components = shard_components(training_components(target.parameters, elements, run.batch, run.seq,
-                                                          run.precision, run.optimizer_key, multiplier, factor),
-                                      run.num_gpus, run.sharding)
+        components = shard_components(self.with_adapter(training_components(
+            target.parameters, elements, run.batch, run.seq, run.precision, run.optimizer_key, multiplier, factor),
+            target, run), run.num_gpus, run.sharding)
         c = self.coefficients
         note = ("activations = multiplier x A x B x L x bytes per element"
                 + (" x checkpointing factor" if run.checkpointing else "")
@@ -177,8 +192,9 @@ class FormulaEstimator(FittedEstimator):
             raise UserError(f"method 'formula': the coefficient file has no peak fit for {group}")
         result = predict_peak(section["peak"], facts, target.parameters, run.batch, run.seq, run.precision,
                               run.optimizer_key, run.checkpointing, run.attn_implementation)
-        if run.sharding is not None:
-            result["components"] = shard_components(result["components"], run.num_gpus, run.sharding)
+        if run.sharding is not None or run.adapter is not None:
+            parts = self.with_adapter(result["components"], target, run)
+            result["components"] = shard_components(parts, run.num_gpus, run.sharding)
             result["peak_bytes"], result["peak_phase"] = peak_of(result["components"])
         hook = section["hook_elements"]["coefficients"]
         elements = sum(hook.get(t, 0.0) * v for t, v in hook_feature_values(facts, config).items())
@@ -207,6 +223,8 @@ def exact_peak(config, run: Run) -> dict:
         return predict_distributed_peak(config, run.batch, run.seq, run.precision, run.num_gpus, run.sharding,
                                         run.checkpointing, run.optimizer, run.attn_implementation)
     if run.client == "trainer":
+        if run.adapter is not None:
+            raise UserError("method exact: LoRA under the Trainer is not simulated yet (the loop client is)")
         from pipeline.simulate.trainer import predict_trainer_peak
 
         return predict_trainer_peak(config, run.batch, run.seq, run.precision, run.optim, run.gradient_accumulation,
@@ -215,4 +233,4 @@ def exact_peak(config, run: Run) -> dict:
 
     return predict_peak(config, batch_size=run.batch, seq_len=run.seq, precision=run.precision,
                         optimizer=run.optimizer, gradient_checkpointing=run.checkpointing,
-                        attn_implementation=run.attn_implementation)
+                        attn_implementation=run.attn_implementation, adapter=run.adapter)

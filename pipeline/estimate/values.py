@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pipeline.adapters import AdapterSpec
 from pipeline.errors import UserError
 from pipeline.formulas import optimizer_key
 from pipeline.step import Setting
@@ -31,6 +32,7 @@ class Run:
     gradient_accumulation: int = 1  # micro-batches per optimizer step (trainer)
     num_gpus: int = 1  # GPUs of a data-parallel run; `batch` is per GPU
     sharding: str | None = None  # ddp, fsdp, fsdp-no-reshard (vocabulary.SHARDINGS); None: one GPU
+    adapter: AdapterSpec | None = None  # LoRA / QLoRA on a frozen base; None: full fine-tuning
 
     def __post_init__(self):
         check_positive_int("batch", self.batch)
@@ -55,6 +57,8 @@ class Run:
         check_choice("sharding", self.sharding, SHARDINGS)
         if self.client != "loop":
             raise UserError(f"sharding is estimated for the loop client only, not {self.client}")
+        if self.adapter is not None:
+            raise UserError("sharding is estimated for full fine-tuning only, not with LoRA adapters")
 
     @property
     def optimizer_key(self) -> str:

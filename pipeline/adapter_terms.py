@@ -1,0 +1,64 @@
+"""The closed forms' terms for LoRA and QLoRA, from config facts (no torch): the adapters' trainable
+parameters and the bytes of a frozen, possibly quantized, base. The exact estimator runs PEFT and
+bitsandbytes themselves (pipeline.simulate.adapters); these are the formulas' approximations.
+
+- LoRA of rank r on a linear (in -> out) adds r x (in + out) trainable parameters; `all-linear`
+  targets every decoder linear (PEFT leaves the lm head out), named targets count the llama-style
+  names below (other names: the exact method).
+- The frozen base keeps the precision's weight bytes and has no gradients or optimizer state; the
+  adapters have both, in the precision's weight dtype.
+- QLoRA: nf4 decoder linears take half a byte per weight plus a 4-byte absmax per 64 (0.5625 B);
+  int8 ones one byte plus a 4-byte scale per row; `prepare_model_for_kbit_training` upcasts the
+  rest (embeddings, lm head, norms) to fp32.
+"""
+
+from __future__ import annotations
+
+from pipeline.errors import UserError
+from pipeline.features import Facts, matmul_parameters
+from pipeline.formulas import optimizer_bytes
+from pipeline.vocabulary import WEIGHT_BYTES
+
+QUANTIZED_BYTES = {"nf4": 0.5 + 4 / 64, "int8": 1.0}
+
+
+def linear_shapes(facts: Facts) -> dict:
+    """(in, out) of each llama-style decoder linear of one layer, by module name."""
+    h, q, kv = facts.hidden, facts.q_dim or facts.hidden, facts.kv_dim or 2 * facts.hidden
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv // 2), "v_proj": (h, kv // 2), "o_proj": (q, h)}
+    if facts.intermediate:
+        shapes.update(up_proj=(h, facts.intermediate), down_proj=(facts.intermediate, h))
+        if facts.gated:
+            shapes["gate_proj"] = (h, facts.intermediate)
+    return shapes
+
+
+def adapter_parameters(facts: Facts, r: int, targets: str) -> int:
+    """Trainable parameters of LoRA rank `r` on `targets` ("all-linear" or names joined by commas)."""
+    shapes = linear_shapes(facts)
+    names = list(shapes) if targets == "all-linear" else targets.split(",")
+    unknown = [name for name in names if name not in shapes]
+    if unknown:
+        raise UserError(f"the closed forms count LoRA on {', '.join(shapes)} (or all-linear), not "
+                        f"{', '.join(unknown)}: use method exact")
+    return facts.layers * sum(r * (shapes[name][0] + shapes[name][1]) for name in names)
+
+
+def base_bytes(facts: Facts, parameters: int, precision: str, quantization: str | None) -> float:
+    """Bytes of the frozen base's weights."""
+    if quantization is None:
+        return parameters * WEIGHT_BYTES[precision]
+    linears = matmul_parameters(facts) - facts.vocab * (facts.embed_width or facts.hidden)
+    return linears * QUANTIZED_BYTES[quantization] + (parameters - linears) * 4
+
+
+def adapter_components(components: dict, facts: Facts, parameters: int, precision: str, optimizer_key: str,
+                       r: int, targets: str, quantization: str | None) -> dict:
+    """A closed form's components with the base frozen (and quantized) and the adapters trained."""
+    trainable = adapter_parameters(facts, r, targets)
+    weight = WEIGHT_BYTES[precision]
+    state, temporaries = optimizer_bytes(optimizer_key, trainable, weight)
+    parts = dict(components)
+    parts.update(parameters=base_bytes(facts, parameters, precision, quantization) + trainable * weight,
+                 gradients=trainable * weight, optimizer_state=state, optimizer_intermediates=temporaries)
+    return parts

@@ -1,0 +1,89 @@
+"""`estimate` for LoRA and QLoRA: the exact method against measured H100 rows (results/lora/h100),
+an adapter_config.json as PEFT writes it, the closed forms' frozen base, one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from pipeline.cli import main
+from pipeline.configs import read_config_records
+from pipeline.errors import UserError
+from pipeline.estimate import estimate
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def measured_row(model_id: str, **where) -> dict:
+    frame = pd.read_parquet(REPO / "results/lora/h100/peak_memory.parquet")
+    rows = frame[(frame["model_id"] == model_id) & (frame["status"] == "ok")]
+    for column, value in where.items():
+        rows = rows[rows[column] == value]
+    return rows.sort_values(["batch_size", "seq_len"]).iloc[0].to_dict()
+
+
+@pytest.mark.parametrize("quantization", [None, "nf4"])
+def test_exact_lora_estimate_matches_an_h100_row(quantization):
+    """The smallest measured all-linear r=16 point of a model, LoRA on a bf16 base and QLoRA on an nf4 base."""
+    frame = pd.read_parquet(REPO / "results/lora/h100/peak_memory.parquet")
+    quantized = frame["quantization"].notna() if quantization else frame["quantization"].isna()
+    rows = frame[(frame["status"] == "ok") & quantized & (frame["lora_targets"] == "all-linear")
+                 & (frame["lora_r"] == 16) & (frame["client"] == "loop")]
+    row = rows.sort_values(["parameters", "batch_size", "seq_len"]).iloc[0]
+    config = read_config_records(REPO / "results/configs.json")[row.model_id]["config"]
+    result = estimate(config=config, batch=int(row.batch_size), seq=int(row.seq_len), precision=row.precision,
+                      checkpointing=bool(row.gradient_checkpointing), method="exact", lora_r=16,
+                      quantization=quantization)
+    assert result["adapter"]["lora_r"] == 16 and result["adapter"]["quantization"] == quantization
+    assert abs(result["peak_bytes"] / row.peak_allocated_bytes - 1) < 0.02, row.model_id
+
+
+def test_peft_adapter_config_file(tmp_path):
+    from peft import LoraConfig
+
+    LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM").save_pretrained(
+        tmp_path)
+    config = read_config_records(REPO / "results/configs.json")["Qwen/Qwen2.5-0.5B"]["config"]
+    result = estimate(config=config, batch=1, seq=256, precision="bf16", method="formula",
+                      coefficients=REPO / "results/coefficients.json", peft_config=tmp_path / "adapter_config.json")
+    assert result["adapter"] == {"lora_r": 8, "lora_alpha": 32, "lora_targets": "q_proj,v_proj", "quantization": None}
+    # r x (in + out) per layer: q (896 -> 896) and v (896 -> 128), 24 layers; bf16 gradients
+    assert result["components"]["gradients"] == 2 * 24 * 8 * ((896 + 896) + (896 + 128))
+
+
+def test_closed_forms_freeze_and_quantize_the_base():
+    config = read_config_records(REPO / "results/configs.json")["meta-llama/Llama-3.1-8B"]["config"]
+    full = estimate(config=config, batch=1, seq=1024, precision="bf16", method="blog")["components"]
+    lora = estimate(config=config, batch=1, seq=1024, precision="bf16", method="blog", lora_r=16)["components"]
+    qlora = estimate(config=config, batch=1, seq=1024, precision="bf16", method="blog", lora_r=16,
+                     quantization="nf4")["components"]
+    assert lora["gradients"] < full["gradients"] / 100 and lora["optimizer_state"] < full["optimizer_state"] / 100
+    # 0.5625 bytes per decoder-linear weight; embeddings and head (1.05B) upcast to fp32 by
+    # prepare_model_for_kbit_training: 8.2 GB, against 16.1 GB of bf16 weights
+    assert 0.45 < qlora["parameters"] / lora["parameters"] < 0.55
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(lora_r=0), "must be a positive integer"),
+    (dict(lora_r=16, quantization="fp8"), "quantization 'fp8' is not one of"),
+    (dict(lora_alpha=8), "need --lora-r"),
+    (dict(lora_r=8, num_gpus=2, sharding="fsdp"), "full fine-tuning only"),
+])
+def test_bad_lora_options_are_one_line_errors(options, message):
+    with pytest.raises(UserError, match=message):
+        estimate(params=1e9, batch=1, seq=8, precision="bf16", method="blog", **options)
+
+
+def test_unknown_target_modules_name_the_ones_that_exist(capsys):
+    code = main(["estimate", "--model", "Qwen/Qwen3-0.6B", "--batch", "1", "--seq", "64", "--precision", "bf16",
+                 "--method", "exact", "--lora-r", "8", "--lora-targets", "c_attn"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "no such module in qwen3" in err and "q_proj" in err and "\n" not in err
+
+
+def test_lora_with_params_only_needs_the_shape():
+    with pytest.raises(UserError, match="LoRA needs the model's shape"):
+        estimate(params=1e9, batch=1, seq=8, precision="bf16", method="blog", lora_r=8)
