@@ -88,7 +88,9 @@ def _text(value) -> str:
     """A key part: missing values (None, NaN, pandas' NA) alike."""
     import pandas as pd
 
-    return "" if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)) else str(value)
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 class ConfigTargets:
