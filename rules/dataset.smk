@@ -11,6 +11,7 @@ rule dataset:
         validation=VALIDATION if HAVE_PEAKS else [],
         validation_summary=VALIDATION_SUMMARY if HAVE_PEAKS else [],
         figures=[figure_path(name) for name in FIGURES],
+        settings=SETTINGS_PRESENT + [SETTINGS_VALIDATION] if HAVE_SETTINGS else [],
     output:
         card=DATASET_CARD,
     params:

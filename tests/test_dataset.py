@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -140,3 +141,22 @@ def test_token_never_leaks(built, tmp_path):
     for path in [*tmp_path.rglob("*"), *(built / "results").rglob("*")]:
         if path.is_file():
             assert FAKE_TOKEN.encode() not in path.read_bytes(), path
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_training_settings_subset_joins_every_measured_table():
+    """The Trainer, LoRA and QLoRA tables of every GPU and plan become one subset, with their split."""
+    import pandas as pd
+
+    from pipeline.dataset.subsets import load_tables
+    from pipeline.paths import SETTINGS_TABLES
+
+    tables = load_tables(REPO / "results")
+    settings = tables["training_settings"]
+    expected = sum(len(pd.read_parquet(REPO / path)) for path in SETTINGS_TABLES)
+    assert len(settings) == expected and set(settings["split"]) == {"tuned", "held-out"}
+    assert {"trainer", "loop"} <= set(settings["client"]) and settings["quantization"].eq("nf4").any()
+    validated = tables["settings_validation"]
+    assert set(validated["estimator"]) == {"blog", "heuristic", "formula", "exact"}

@@ -49,9 +49,25 @@ def dataset_card(tables: dict, repo: str, figures: list[str], validation_summary
         _subsets_section(tables),
         _method_section(tables),
         _headline_section(tables, figures, validation_summary),
+        _settings_section(tables),
         _limits_section(tables),
     ]
     return "\n".join(parts)
+
+
+def _settings_section(tables: dict) -> str:
+    """The estimators on the training settings beyond the standard step (Trainer, LoRA, QLoRA)."""
+    if "settings_validation" not in tables:
+        return ""
+    from pipeline.validate_settings import summary_markdown, summary_table
+
+    frame = tables["settings_validation"]
+    exact = summary_table(frame[frame["estimator"].isin(["exact", "formula"])])
+    return ("## Beyond the standard step: Trainer, LoRA, QLoRA\n\n"
+            "`training_settings` holds the measured points of transformers.Trainer (its optimizers, "
+            "amp-fp16, accumulation), LoRA and QLoRA; `settings_validation` the estimators against them "
+            "(|predicted / measured - 1| of ok points; the fit verdict over ok and oom points). The exact and "
+            "formula estimators:\n\n" + summary_markdown(exact))
 
 
 def _loading_section(repo: str, tables: dict) -> str:

@@ -19,6 +19,13 @@ SUBSETS = {
     "coefficients": ("coefficients.json", "the refit heuristic, flattened: one row per coefficient set"),
     "simulated": ("simulated.parquet", "one row per model x point: peak predicted by the exact simulator"),
     "features": ("configs.json", "one row per model: the closed-form formula's config features and N"),
+    "training_settings": ("trainer/h100/peak_memory.parquet",
+                          "one row per measured point of the settings beyond the standard step (transformers.Trainer "
+                          "and its optimizers, amp-fp16, LoRA, QLoRA), each GPU's and plan's tables joined, with "
+                          "their split (tuned / held-out)"),
+    "settings_validation": ("settings_validation.parquet",
+                            "one row per training-settings point x estimator: predicted against measured peak "
+                            "allocated and reserved, and the fit verdict"),
 }
 
 
@@ -36,11 +43,24 @@ def load_tables(results_dir) -> dict:
             tables[subset] = coefficients_table(json.loads(path.read_text()))
         elif subset == "features":
             tables[subset] = pd.DataFrame(features_table(path))
+        elif subset == "training_settings":
+            tables[subset] = settings_table(results_dir)
         else:
             tables[subset] = pd.read_parquet(path)
     if "models" not in tables:
         raise UserError(f"{results_dir}: models.parquet not found (run the activations stage first)")
     return tables
+
+
+def settings_table(results_dir: Path):
+    """The measured training-settings tables present under `results_dir`, joined, with their split."""
+    import pandas as pd
+
+    from pipeline.paths import SETTINGS_TABLES
+
+    frames = [pd.read_parquet(results_dir / Path(path).relative_to("results")).assign(split=split)
+              for path, split in SETTINGS_TABLES.items() if (results_dir / Path(path).relative_to("results")).exists()]
+    return pd.concat(frames, ignore_index=True)
 
 
 def features_table(configs_path) -> list[dict]:
