@@ -18,6 +18,7 @@ STAGE_MODULES = (
     "pipeline.activations",
     "pipeline.memory",
     "pipeline.sweep",
+    "pipeline.clients.distributed",
     "pipeline.simulate",
     "pipeline.fit",
     "pipeline.estimate",

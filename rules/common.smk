@@ -144,6 +144,8 @@ def figure_path(name):
     return f"results/figures/{name}.png"
 
 
+# Several GPUs: measured only when asked (measure=gpu distributed=true) on a machine with them.
+DISTRIBUTED = MEASURE == "gpu" and str(config.get("distributed", False)).lower() == "true"
 # The measured training-settings tables (committed; measured with `sweep --plan config/sweep_trainer*.yaml`).
 SETTINGS_PRESENT = [path for path in SETTINGS_TABLES if Path(path).exists()]
 HAVE_SETTINGS = bool(SETTINGS_PRESENT) and (SIMULATE == "run" or Path(SETTINGS_SIMULATED).exists())
@@ -155,6 +157,8 @@ def final_outputs():
         outputs.append(VALIDATION)
     if HAVE_SETTINGS:
         outputs.append(SETTINGS_VALIDATION)
+    if DISTRIBUTED:
+        outputs.append("results/distributed/peak_memory.parquet")
     return outputs
 
 

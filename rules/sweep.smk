@@ -49,3 +49,21 @@ if MEASURE == "gpu":
         shell:
             "python -m pipeline sweep --aggregate --parts {params.parts} --out {output.peaks:q}"
             " > {log:q} 2>&1"
+
+
+# Several GPUs (issue 14): `snakemake --config measure=gpu distributed=true` on a machine (or a
+# SLURM job) with several GPUs runs config/sweep_distributed.yaml, one torchrun job per group.
+if DISTRIBUTED:
+
+    rule sweep_distributed:
+        input:
+            plan="config/sweep_distributed.yaml",
+            configs=CONFIGS,
+        output:
+            peaks="results/distributed/peak_memory.parquet",
+        log:
+            "logs/sweep_distributed.log",
+        resources:
+            gpu=8,
+        shell:
+            "python -m pipeline measure-distributed --plan {input.plan:q} --out {output.peaks:q} > {log:q} 2>&1"

@@ -245,6 +245,25 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+def add_cli(subparsers) -> None:
+    """`python -m pipeline measure-distributed`: the several-GPU plan, one torchrun job per group."""
+    parser = subparsers.add_parser("measure-distributed",
+                                   help="measure the standard step on several GPUs under DDP / FSDP2 (torchrun)")
+    parser.add_argument("--plan", default="config/sweep_distributed.yaml")
+    parser.add_argument("--out", default="results/distributed/peak_memory.parquet")
+    parser.add_argument("--config", help="a config.json instead of the plan's model ids (tests)")
+    parser.add_argument("--devices", type=int, help="ranks a group may have (default: the GPUs there are)")
+    parser.add_argument("--dry-run", action="store_true")
+    parser.set_defaults(handler=_measure_command)
+
+
+def _measure_command(args) -> int:
+    rows = run_plan(args.plan, args.out, args.dry_run, args.config, args.devices)
+    if not args.dry_run:
+        print(f"measure-distributed: {len(rows)} rows -> {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["rank"]:
