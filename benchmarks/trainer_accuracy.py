@@ -26,12 +26,14 @@ import multiprocessing
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TABLES = {"trainer/h100": "tuned", "trainer/h200": "tuned", "trainer/h100_recheck": "tuned",
-          "trainer_heldout/h100": "held-out", "trainer_heldout/h200": "held-out"}
+TABLES = {"trainer/h100": "tuned", "trainer/h100_fresh_process": "tuned", "trainer/provisional/h200": "tuned",
+          "trainer/provisional/h100": "tuned", "trainer_heldout/h100": "held-out",
+          "trainer/provisional/heldout/h200": "held-out"}
 KEY = ("model_id", "batch_size", "seq_len", "precision", "optim", "gradient_accumulation", "gradient_checkpointing",
        "attn_implementation", "prepared_before")
 GROUP = ("optim", "precision", "gradient_checkpointing", "gradient_accumulation")
-FIXED_IN = "57dc319"  # the GPU client drops accelerate's _is_accelerate_prepared mark from here on
+# the GPU client drops accelerate's _is_accelerate_prepared mark from these commits on (main, helper branch)
+FIXED_IN = ("0ad38a3", "57dc319")
 CACHE = ROOT / "benchmarks/results/trainer_accuracy_predictions.csv"
 OUT = ROOT / "benchmarks/results/trainer_accuracy.md"
 
@@ -43,8 +45,8 @@ def measured_by_fixed_client(commit) -> bool:
     if not isinstance(commit, str) or not commit:
         return False
     commit = commit.removesuffix("-dirty")
-    done = subprocess.run(["git", "merge-base", "--is-ancestor", FIXED_IN, commit], cwd=ROOT, capture_output=True)
-    return done.returncode == 0
+    return any(subprocess.run(["git", "merge-base", "--is-ancestor", fixed, commit], cwd=ROOT,
+                              capture_output=True).returncode == 0 for fixed in FIXED_IN)
 
 
 def table_rows(table: str, all_clean: bool = False):
