@@ -180,6 +180,7 @@ class FormulaEstimator(FittedEstimator):
     reads_facts_only = True
 
     def predict(self, target: Target, run: Run) -> Estimate:
+        from pipeline.adapter_terms import activation_precision, lora_saved_bytes_per_token
         from pipeline.features import read_facts
         from pipeline.formula_peak import peak_group, peak_of, predict_peak
         from pipeline.hook_features import hook_feature_values
@@ -187,11 +188,16 @@ class FormulaEstimator(FittedEstimator):
         section = self.coefficients["activation_formula"]
         config = config_dict(target.config)
         facts = read_facts(config)
-        group = peak_group(run.precision, run.checkpointing)
+        precision = activation_precision(run.precision, run.adapter.quantization if run.adapter else None)
+        group = peak_group(precision, run.checkpointing)
         if group not in section["peak"]:
             raise UserError(f"method 'formula': the coefficient file has no peak fit for {group}")
-        result = predict_peak(section["peak"], facts, target.parameters, run.batch, run.seq, run.precision,
+        result = predict_peak(section["peak"], facts, target.parameters, run.batch, run.seq, precision,
                               run.optimizer_key, run.checkpointing, run.attn_implementation)
+        if run.adapter is not None:
+            spec = run.adapter
+            result["components"]["activations"] += run.batch * run.seq * lora_saved_bytes_per_token(
+                facts, spec.targets, run.precision, spec.quantization, run.checkpointing)
         if run.sharding is not None or run.adapter is not None:
             parts = self.with_adapter(result["components"], target, run)
             result["components"] = shard_components(parts, run.num_gpus, run.sharding)
