@@ -19,7 +19,6 @@ columns are None and only weights, optimizer state and times are recorded.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
