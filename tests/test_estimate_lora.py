@@ -3,7 +3,6 @@ an adapter_config.json as PEFT writes it, the closed forms' frozen base, one-lin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pandas as pd
