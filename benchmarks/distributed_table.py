@@ -1,0 +1,41 @@
+"""Per-GPU peak of the standard step under DDP and FSDP2, simulated (pipeline.simulate.distributed),
+for a few large registry models: the README's several-GPU table.
+
+    python benchmarks/distributed_table.py     # -> benchmarks/results/distributed_table.md
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODELS = ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-2-13b-hf", "codellama/CodeLlama-34b-hf")
+SHARDINGS = ("ddp", "fsdp", "fsdp-no-reshard")
+GPUS = (2, 4, 8)
+GIB = 2**30
+
+
+def main() -> None:
+    from pipeline.configs import read_config_records
+    from pipeline.io import write_text
+    from pipeline.simulate import predict_peak
+    from pipeline.simulate.distributed import predict_distributed_peak
+
+    records = read_config_records(ROOT / "results/configs.json")
+    lines = ["| model | one GPU | N | ddp | fsdp | fsdp-no-reshard |", "|---|---:|---:|---:|---:|---:|"]
+    for model_id in MODELS:
+        config = records[model_id]["config"]
+        one = predict_peak(config, 1, 2048, "bf16")["peak_bytes"] / GIB
+        for n in GPUS:
+            cells = [f"{predict_distributed_peak(config, 1, 2048, 'bf16', n, s)['peak_bytes'] / GIB:.1f}"
+                     for s in SHARDINGS]
+            lines.append(f"| {model_id if n == GPUS[0] else ''} | {f'{one:.1f}' if n == GPUS[0] else ''} | {n} | "
+                         + " | ".join(cells) + " |")
+    table = ("Simulated peak allocated per GPU (GiB; rank 0), standard step, bf16, AdamW, B=1 per GPU, "
+             "L=2048\n\n" + "\n".join(lines) + "\n")
+    write_text(table, ROOT / "benchmarks/results/distributed_table.md")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
