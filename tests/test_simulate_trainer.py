@@ -192,3 +192,61 @@ def test_tied_gradients_accumulate_in_place_as_on_cuda():
     assert abs(tied_head_backward("meta", True, 50000) - 1.492) < 0.01  # 1.4845
     assert round(tied_head_backward("meta", False, 50000), 2) == 3.0
     assert tied_head_backward("cpu", True, 4096, 64) == tied_head_backward("meta", True, 4096, 64)
+
+
+def run_lora_trainer(device: str, precision: str, checkpointing: bool, spec) -> dict:
+    """The Trainer on a LoRA PeftModel: on the CPU the GPU client's model (`apply_adapters` on a
+    built base with real weights), on meta `predict_trainer_peak`'s own."""
+    import torch
+
+    from pipeline.adapters import apply_adapters
+    from pipeline.configs import config_from_dict
+    from pipeline.modeling import build
+    from pipeline.simulate.trainer import predict_trainer_peak, simulate_trainer
+
+    if device == "meta":
+        return predict_trainer_peak(TINY_LLAMA, 2, 24, precision, "adamw_torch_fused", 1, checkpointing, "eager",
+                                    adapter=spec)
+    torch.manual_seed(0)
+    model = apply_adapters(build(config_from_dict(TINY_LLAMA), precision, "eager", device="cpu"), spec, checkpointing)
+    return simulate_trainer(model, 2, 24, precision, "adamw_torch_fused", 1, checkpointing, device_type="cpu")
+
+
+@pytest.mark.parametrize("precision,checkpointing", [("bf16", False), ("bf16", True), ("amp-bf16", False),
+                                                     ("amp-bf16", True)])
+def test_meta_trainer_with_lora_equals_real_cpu_trainer(precision, checkpointing):
+    """LoRA under the Trainer (its own PEFT handling, accelerate's autocast wrapper of the PeftModel):
+    the meta device counts what a real CPU run of the same code counts, byte for byte; only the
+    adapters get gradients and fused-AdamW state (two moments and a 0-dim fp32 step each)."""
+    from pipeline.adapters import AdapterSpec
+
+    spec = AdapterSpec.make(8)
+    real = run_lora_trainer("cpu", precision, checkpointing, spec)
+    simulated = run_lora_trainer("meta", precision, checkpointing, spec)
+    for phase in ("forward", "backward", "optimizer"):
+        assert simulated["phase_peaks"][phase] == real["phase_peaks"][phase], phase
+    assert simulated["components"] == real["components"]
+    assert simulated["peak_bytes"] == real["peak_bytes"]
+    adapters = 2 * 8 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 160) * 3)
+    assert simulated["trainable_parameters"] == adapters
+    # fp32 moments: PEFT makes the adapters of a bf16 base fp32 (autocast_adapter_dtype)
+    assert real["optimizer_state_bytes"] == simulated["optimizer_state_bytes"] == 2 * adapters * 4 + 4 * 28
+
+
+def test_trainer_with_qlora_holds_the_loop_simulators_weights():
+    """QLoRA under the Trainer (the GPU client reloads a saved base with bitsandbytes, which the CPU
+    cannot run the same way): the meta run goes through, on the loop simulator's 4-bit PeftModel,
+    with the same weights at its peak (packed NF4, absmax, code, fp32 upcasts) and adapters."""
+    from pipeline.adapters import AdapterSpec
+    from pipeline.simulate import predict_peak
+    from pipeline.simulate.trainer import predict_trainer_peak
+
+    spec = AdapterSpec.make(8, quantization="nf4")
+    trainer = predict_trainer_peak(TINY_LLAMA, 2, 24, "bf16", gradient_checkpointing=True,
+                                   attn_implementation="eager", adapter=spec)
+    loop = predict_peak(TINY_LLAMA, 2, 24, "bf16", gradient_checkpointing=True, attn_implementation="eager",
+                        adapter=spec)
+    assert trainer["components"]["parameters"] == loop["components"]["parameters"] == 397824
+    assert trainer["trainable_parameters"] == loop["trainable_parameters"] == 17920
+    # fused AdamW's step counters are on the device (28 adapters x 4 bytes); the loop's are on the host
+    assert trainer["optimizer_state_bytes"] == loop["optimizer_state_bytes"] + 4 * 28

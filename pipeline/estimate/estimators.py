@@ -229,12 +229,10 @@ def exact_peak(config, run: Run) -> dict:
         return predict_distributed_peak(config, run.batch, run.seq, run.precision, run.num_gpus, run.sharding,
                                         run.checkpointing, run.optimizer, run.attn_implementation)
     if run.client == "trainer":
-        if run.adapter is not None:
-            raise UserError("method exact: LoRA under the Trainer is not simulated yet (the loop client is)")
         from pipeline.simulate.trainer import predict_trainer_peak
 
         return predict_trainer_peak(config, run.batch, run.seq, run.precision, run.optim, run.gradient_accumulation,
-                                    run.checkpointing, run.attn_implementation)
+                                    run.checkpointing, run.attn_implementation, adapter=run.adapter)
     from pipeline.simulate import predict_peak
 
     return predict_peak(config, batch_size=run.batch, seq_len=run.seq, precision=run.precision,

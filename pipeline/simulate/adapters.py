@@ -100,3 +100,11 @@ def packed_weight(module, config):
                       compress_statistics=config.bnb_4bit_use_double_quant, quant_type=config.bnb_4bit_quant_type,
                       quant_storage=torch.uint8, module=module, bnb_quantized=True)
 
+
+
+def fresh_adapter_model(config_json: str, precision: str, attn_implementation: str | None, adapter,
+                        gradient_checkpointing: bool):
+    """The PeftModel of `cached_adapter_model`, built anew at every call: the Trainer switches
+    checkpointing and wraps the forward of the model it trains, which a cached model would keep."""
+    return cached_adapter_model.__wrapped__(config_json, precision, attn_implementation, adapter,
+                                            gradient_checkpointing)

@@ -42,7 +42,7 @@ import contextlib
 import time
 
 from pipeline.simulate.predict import _as_config, _attention, _config_key, cached_meta_model, check_inputs
-from pipeline.step import STEPS
+from pipeline.step import STEPS, Setting, set_training_mode
 from pipeline.vocabulary import check_choice, check_positive_int
 
 TRAINER_OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adamw_bnb_8bit")
@@ -52,13 +52,18 @@ PHASES = ("setup", "forward", "backward", "optimizer")
 
 def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str = "amp-bf16",
                          optim: str = "adamw_torch_fused", gradient_accumulation: int = 1,
-                         gradient_checkpointing: bool = False, attn_implementation: str | None = None) -> dict:
+                         gradient_checkpointing: bool = False, attn_implementation: str | None = None,
+                         adapter=None) -> dict:
     """Predicted `torch.cuda.max_memory_allocated()` (peak_bytes) and `max_memory_reserved()`
     (peak_reserved_bytes) of `Trainer.train()` for three optimizer steps (client = trainer;
     precision in TRAINER_PRECISIONS, optim in TRAINER_OPTIMS), the
     cuBLAS workspaces of an earlier point in the process included, as `predict_peak` counts them.
     Also: components (bytes by role at the peak), phase_peaks, peak_phase, optimizer_state_bytes,
-    peak_reserved_expandable_bytes, seconds."""
+    peak_reserved_expandable_bytes, seconds.
+
+    `adapter`: a `pipeline.adapters.AdapterSpec` (LoRA / QLoRA): the Trainer trains the PeftModel
+    that the loop simulator builds (`pipeline.simulate.adapters`), built anew for each call, with its
+    own PEFT handling; `trainable_parameters` is then returned too."""
     start = time.perf_counter()
     check_inputs(batch_size, seq_len, precision, "adamw", gradient_checkpointing, attn_implementation, "standard")
     check_choice("precision", precision, TRAINER_PRECISIONS)
@@ -66,9 +71,20 @@ def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str =
     check_positive_int("gradient_accumulation", gradient_accumulation)
     check_installed(optim)
     config = _as_config(config)
-    model = cached_meta_model(_config_key(config), precision, _attention(attn_implementation))
+    if adapter is None:
+        model = cached_meta_model(_config_key(config), precision, _attention(attn_implementation))
+    else:
+        from pipeline.simulate.adapters import check_adapter, fresh_adapter_model
+
+        check_adapter(adapter, "standard")
+        model = fresh_adapter_model(_config_key(config), precision, _attention(attn_implementation), adapter,
+                                    gradient_checkpointing)
     result = simulate_trainer(model, batch_size, seq_len, precision, optim, gradient_accumulation,
                               gradient_checkpointing)
+    if adapter is not None:
+        from pipeline.adapters import trainable_parameters
+
+        result["trainable_parameters"] = trainable_parameters(model)
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -98,6 +114,7 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
     from pipeline.simulate.rules import KernelRules
     from pipeline.simulate.scaler import scaler_stand_ins
     from pipeline.simulate.stand_ins import UniformValues, scalar_stand_ins
+    from pipeline.simulate.step import quantization_state
     from pipeline.simulate.tracker import LiveBytesTracker
 
     meta = device_type == "meta"
@@ -107,7 +124,8 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
     stand_ins.update(accumulation_stand_ins())  # on a real CPU run too: it is the engine's rule, not the device's
     tracker = LiveBytesTracker(device_type, workspace_rules(), stand_ins,
                                UniformValues() if meta else None, CachingAllocator(), host_outputs(), reserved)
-    for tensor in list(model.parameters()) + list(model.buffers()):
+    set_training_mode(model, Setting())  # as the GPU client: checkpointing off, the Trainer switches it on
+    for tensor in list(model.parameters()) + list(model.buffers()) + quantization_state(model):
         tracker.track(tensor, "parameters")
     workspaces = [torch.empty(size, dtype=torch.uint8, device=device_type) for size in CUBLAS_WORKSPACES]
     for workspace in workspaces:
