@@ -119,3 +119,29 @@ def test_distributed_dry_run_prints_one_torchrun_per_group(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pipeline.clients.distributed", "--plan", str(bad), "--dry-run"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip() == "error: sharding 'zero3' is not one of ddp, fsdp, fsdp-no-reshard"
+
+
+def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
+    """The GPU measurement path for real on the CPU: torchrun with 2 gloo ranks, ddp and fsdp, a tiny
+    llama; one ok row per group with its num_gpus and sharding (CUDA peaks are empty on the CPU)."""
+    import json
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("models: [test/tiny-llama]\nnum_gpus: [2]\nshardings: [ddp, fsdp]\n"
+                    "grid: {batch_sizes: [2], seq_lens: [16]}\n")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64)))
+    out = tmp_path / "peaks.parquet"
+    result = subprocess.run([sys.executable, "-m", "pipeline", "measure-distributed", "--plan", str(plan),
+                             "--config", str(config), "--devices", "2", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = pd.read_parquet(out)
+    assert sorted(rows["sharding"]) == ["ddp", "fsdp"] and set(rows["num_gpus"]) == {2}
+    assert set(rows["status"]) == {"ok"}, rows["reason"].tolist()

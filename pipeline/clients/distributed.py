@@ -31,7 +31,7 @@ from pathlib import Path
 
 from pipeline.errors import UserError
 from pipeline.paths import CONFIGS
-from pipeline.step import STEPS, Setting, make_optimizer, set_training_mode, token_ids, training_loss, zero_grad
+from pipeline.step import Setting
 from pipeline.vocabulary import PRECISIONS, SHARDINGS, check_choice
 
 DISTRIBUTED_COLUMNS = ("num_gpus", "sharding")
@@ -136,29 +136,10 @@ def build_sharded(record, precision: str, sharding: str, device: str, local_rank
 
 
 def run_sharded_steps(model, module, precision: str, batch: int, seq: int, device: str, tracker) -> list:
-    """The standard step three times (pipeline.step), phases timed and tracked; seconds per step."""
-    import torch
+    """The standard step three times (the loop client's, calling the sharded module); seconds per step."""
+    from pipeline.clients.loop import run_steps
 
-    from pipeline.step import autocast
-
-    setting = Setting()
-    set_training_mode(model, setting)
-    optimizer = make_optimizer(module.parameters(), setting)
-    seconds = []
-    for _ in range(STEPS):
-        start = time.perf_counter()
-        with tracker.phase("forward"):
-            ids = token_ids(model, batch, seq, setting, device)
-            with autocast(precision, device):
-                loss = training_loss(module, ids, setting)
-        with tracker.phase("backward"):
-            loss.backward()
-        with tracker.phase("optimizer"):
-            optimizer.step()
-            zero_grad(optimizer, setting)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
+    seconds, _ = run_steps(model, Setting(), precision, batch, seq, device, tracker, use_cache=False, module=module)
     return seconds
 
 

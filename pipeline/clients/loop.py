@@ -21,12 +21,14 @@ def unavailable(setting: Setting, device: str) -> str | None:
 
 
 def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, device: str,
-              tracker: PhaseTracker, use_cache: bool, steps: int = STEPS):
-    """The standard step, `steps` times; returns (seconds per step, optimizer-state bytes)."""
+              tracker: PhaseTracker, use_cache: bool, steps: int = STEPS, module=None):
+    """The standard step, `steps` times; returns (seconds per step, optimizer-state bytes).
+    `module`: what the step calls and optimizes when it is not the model itself (DDP's wrapper)."""
     import torch
 
+    module = model if module is None else module
     set_training_mode(model, setting)
-    optimizer = make_optimizer(trainable(model.parameters()), setting)  # the adapters' only on a frozen base
+    optimizer = make_optimizer(trainable(module.parameters()), setting)  # the adapters' only on a frozen base
     scaler = grad_scaler(precision, device)
     seconds = []
     for _ in range(steps):
@@ -34,7 +36,7 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
         with tracker.phase("forward"):
             ids = token_ids(model, batch, seq, setting, device)
             with autocast(precision, device):
-                loss = training_loss(model, ids, setting, use_cache)
+                loss = training_loss(module, ids, setting, use_cache)
         with tracker.phase("backward"):
             (loss if scaler is None else scaler.scale(loss)).backward()
         with tracker.phase("optimizer"):

@@ -18,10 +18,11 @@ def storage_bytes(tensors) -> int:
 
 def optimizer_state_bytes(optimizer, device: str) -> int:
     """Bytes of optimizer state tensors on the measured device (AdamW's `step` counters stay on the
-    CPU unless the optimizer is fused)."""
+    CPU unless the optimizer is fused); of this rank's shards under FSDP2."""
     import torch
 
-    tensors = [value for state in optimizer.state.values() for value in state.values()
+    tensors = [getattr(value, "_local_tensor", value)  # a DTensor (FSDP2): this rank's shard
+               for state in optimizer.state.values() for value in state.values()
                if torch.is_tensor(value) and value.device.type == device]
     return storage_bytes(tensors)
 
