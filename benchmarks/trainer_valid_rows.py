@@ -8,7 +8,10 @@ first on a model skipped accelerate's autocast wrapper: its amp points computed 
   ran in a process of its own);
 - the first Trainer that ran in an amp process (`allocated_before_bytes` is set on rows that ran).
 
-    python benchmarks/trainer_valid_rows.py     # -> results/trainer/h200, results/trainer_heldout/h200
+The H100's first sweep adds the untouched rows whose points the clean re-measurement
+(results/trainer/h100) does not have (fp32 among them).
+
+    python benchmarks/trainer_valid_rows.py     # -> results/trainer/{h200,h100_first_sweep}, results/trainer_heldout/h200
 """
 
 from __future__ import annotations
@@ -16,9 +19,14 @@ from __future__ import annotations
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCES = {"results/trainer/provisional/h200/peak_memory.parquet": "results/trainer/h200/peak_memory.parquet",
+# source -> (target, a table whose points are left out of the target)
+SOURCES = {"results/trainer/provisional/h200/peak_memory.parquet": ("results/trainer/h200/peak_memory.parquet", None),
            "results/trainer/provisional/heldout/h200/peak_memory.parquet":
-               "results/trainer_heldout/h200/peak_memory.parquet"}
+               ("results/trainer_heldout/h200/peak_memory.parquet", None),
+           "results/trainer/provisional/h100/peak_memory.parquet":
+               ("results/trainer/h100_first_sweep/peak_memory.parquet", "results/trainer/h100/peak_memory.parquet")}
+KEY = ["model_id", "precision", "client", "optim", "gradient_accumulation", "gradient_checkpointing", "batch_size",
+       "seq_len"]
 
 
 def untouched_rows(frame):
@@ -35,9 +43,13 @@ def main() -> None:
 
     from pipeline.io import write_parquet
 
-    for source, target in SOURCES.items():
+    for source, (target, measured_again) in SOURCES.items():
         frame = pd.read_parquet(ROOT / source)
         kept = untouched_rows(frame)
+        if measured_again:
+            again = pd.read_parquet(ROOT / measured_again)[KEY].assign(_again=True)
+            kept = kept.merge(again, on=KEY, how="left")
+            kept = kept[kept["_again"].isna()].drop(columns="_again")
         write_parquet(kept.reset_index(drop=True), ROOT / target)
         print(f"{source}: {len(kept)} of {len(frame)} rows -> {target} {kept['status'].value_counts().to_dict()}")
 

@@ -23,6 +23,7 @@ VALIDATION = "results/validation.parquet"
 SETTINGS_TABLES = {
     "results/trainer/h100/peak_memory.parquet": "tuned",
     "results/trainer_heldout/h100/peak_memory.parquet": "held-out",
+    "results/trainer/h100_first_sweep/peak_memory.parquet": "tuned",
     "results/trainer/h200/peak_memory.parquet": "tuned",
     "results/trainer_heldout/h200/peak_memory.parquet": "held-out",
     "results/lora/h100/peak_memory.parquet": "tuned",

@@ -12,7 +12,9 @@ models, whose rows nobody tunes on); `settings_rows` joins them with their `spli
 
 Each row gets allocated and reserved errors and the fit verdict on the measured GPU (predicted
 reserved + the memory outside PyTorch <= the GPU's CUDA total), summarized per split, client,
-estimator and device.
+estimator and device. The exact replay of the reserved bytes stops at that GPU's edge (cached
+segments given back after a failed cudaMalloc, as the allocator does): the simulated table is
+keyed by the point and its device.
 """
 
 from __future__ import annotations
@@ -73,15 +75,19 @@ def adapter_of(row):
 
 
 def run_of(row) -> Run:
+    """The run of a measured point, with the bytes it could reserve on its GPU (the CUDA total less
+    the memory outside PyTorch, as the verdict counts them)."""
     client = row.client or "loop"
     return Run(int(row.batch_size), int(row.seq_len), row.precision, row.optimizer if client == "loop" else None,
                bool(row.gradient_checkpointing), client=client, optim=row.optim if client != "loop" else None,
-               gradient_accumulation=int(row.gradient_accumulation), adapter=adapter_of(row))
+               gradient_accumulation=int(row.gradient_accumulation), adapter=adapter_of(row),
+               reserve_limit=int(row.gpu_total_bytes) - context_bytes(row.precision, None))
 
 
 def setting_key(row) -> tuple:
+    """A measured point on its GPU (the replay of the reserved bytes stops at that GPU's edge)."""
     get = row.get if isinstance(row, dict) else lambda name: getattr(row, name)
-    return tuple(_text(get(name)) for name in SETTING_KEY)
+    return tuple(_text(get(name)) for name in (*SETTING_KEY, "device"))
 
 
 def _text(value) -> str:
@@ -142,9 +148,9 @@ def simulate_settings(rows, configs_path):
 
     exact = OnSettingRows(ExactEstimator(), ConfigTargets(configs_path))
     records = []
-    for row in rows.drop_duplicates(list(SETTING_KEY)).itertuples(index=False):
+    for row in rows.drop_duplicates([*SETTING_KEY, "device"]).itertuples(index=False):
         peak, reserved, reason = _predicted(row, exact)
-        records.append({**{name: getattr(row, name) for name in SETTING_KEY}, "simulated_peak_bytes": peak,
+        records.append({**{name: getattr(row, name) for name in (*SETTING_KEY, "device")}, "simulated_peak_bytes": peak,
                         "simulated_peak_reserved_bytes": reserved, "simulate_status": "error" if reason else "ok",
                         "simulate_reason": reason})
     table = pd.DataFrame.from_records(records)

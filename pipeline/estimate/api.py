@@ -10,7 +10,7 @@ from pipeline.errors import UserError
 from pipeline.estimate.targets import resolve_target
 from pipeline.estimate.training_args import read_training_args
 from pipeline.estimate.values import GIB, Run, Target
-from pipeline.estimate.verdict import judge, required_device, resolve_device
+from pipeline.estimate.verdict import judge, limited, required_device, resolve_device
 from pipeline.vocabulary import METHODS, check_choice
 
 
@@ -80,7 +80,7 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq, precision
     check_choice("method", method, METHODS)
     dev = resolve_device(gpu, gpu_memory_gib)
     estimator, target = prepare(method, coefficients, model, config, params, active_params)
-    return with_notes(answer(estimator, target, run, dev), notes)
+    return with_notes(answer(estimator, target, limited(run, dev), dev), notes)
 
 
 def with_notes(result: dict, notes: list) -> dict:
@@ -131,7 +131,7 @@ def max_batch_size(model=None, config=None, params=None, *, seq, precision=None,
     check_choice("method", method, METHODS)
     dev = required_device(gpu, gpu_memory_gib)
     estimator, target = prepare(method, coefficients, model, config, params, active_params)
-    return largest_batch(estimator, target, run, dev)
+    return largest_batch(estimator, target, limited(run, dev), dev)
 
 
 def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=None, gpu=None, gpu_memory_gib=None,
@@ -147,4 +147,4 @@ def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=N
     check_choice("method", method, METHODS)
     dev = required_device(gpu, gpu_memory_gib)
     estimator, target = prepare(method, coefficients, model, config, params, active_params)
-    return largest_seq(estimator, target, run, dev)
+    return largest_seq(estimator, target, limited(run, dev), dev)

@@ -9,7 +9,7 @@ from pipeline.errors import UserError
 from pipeline.estimate.api import answer, make_run, prepare, with_notes
 from pipeline.estimate.search import largest_batch, largest_seq
 from pipeline.estimate.values import GIB
-from pipeline.estimate.verdict import resolve_device
+from pipeline.estimate.verdict import limited, resolve_device
 from pipeline.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, SHARDINGS
 
 
@@ -74,6 +74,7 @@ def _estimate_command(args) -> int:
                           args.gradient_accumulation, args.training_args, args.num_gpus, args.sharding,
                           adapter_from_arguments(args))
     dev = resolve_device(args.gpu, args.gpu_memory)
+    run = limited(run, dev)
     estimator, target = prepare(args.method, args.coefficients, args.model, args.config, args.params,
                                 args.active_params)
     if args.max_batch_size:

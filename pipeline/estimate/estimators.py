@@ -232,9 +232,11 @@ def exact_peak(config, run: Run) -> dict:
         from pipeline.simulate.trainer import predict_trainer_peak
 
         return predict_trainer_peak(config, run.batch, run.seq, run.precision, run.optim, run.gradient_accumulation,
-                                    run.checkpointing, run.attn_implementation, adapter=run.adapter)
+                                    run.checkpointing, run.attn_implementation, adapter=run.adapter,
+                                    reserve_limit=run.reserve_limit)
     from pipeline.simulate import predict_peak
 
     return predict_peak(config, batch_size=run.batch, seq_len=run.seq, precision=run.precision,
                         optimizer=run.optimizer, gradient_checkpointing=run.checkpointing,
-                        attn_implementation=run.attn_implementation, adapter=run.adapter)
+                        attn_implementation=run.attn_implementation, adapter=run.adapter,
+                        reserve_limit=run.reserve_limit)

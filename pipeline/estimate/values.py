@@ -33,6 +33,9 @@ class Run:
     num_gpus: int = 1  # GPUs of a data-parallel run; `batch` is per GPU
     sharding: str | None = None  # ddp, fsdp, fsdp-no-reshard (vocabulary.SHARDINGS); None: one GPU
     adapter: AdapterSpec | None = None  # LoRA / QLoRA on a frozen base; None: full fine-tuning
+    # bytes the process may reserve on its GPU (the fit verdict's device): the exact replay gives cached
+    # segments back at that edge, as the allocator does after a failed cudaMalloc; None: no edge
+    reserve_limit: int | None = None
 
     def __post_init__(self):
         check_positive_int("batch", self.batch)

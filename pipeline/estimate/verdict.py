@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline.devices import DEVICES, Device, custom_device, device, outside_bytes
 from pipeline.errors import UserError
@@ -36,6 +36,13 @@ class Verdict:
 def judge(estimated: Estimate, run: Run, dev: Device) -> Verdict:
     return Verdict(dev, estimated.reserved(run.expandable_segments), outside_bytes(dev, run.precision,
                    run.attn_implementation), estimated.reserved_expandable_bytes)
+
+
+def limited(run: Run, dev: Device | None) -> Run:
+    """The run with the bytes it may reserve on `dev` (its total less the memory outside PyTorch)."""
+    if dev is None:
+        return run
+    return replace(run, reserve_limit=dev.total_bytes - outside_bytes(dev, run.precision, run.attn_implementation))
 
 
 def resolve_device(gpu=None, gpu_memory_gib=None) -> Device | None:

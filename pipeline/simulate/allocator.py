@@ -9,9 +9,11 @@ allocator's rules (c10/cuda/CUDACachingAllocator.cpp, default settings: no expan
 no max_split_size, one stream) on the sequence of allocations and frees.
 
 `torch.cuda.memory_reserved` is the sum of the segments (cudaMalloc'd memory). Within a training step
-nothing gives a segment back (that takes `torch.cuda.empty_cache()`, or a failed cudaMalloc, which
-frees the cached segments and retries: only at the edge of out-of-memory), so the reserved bytes only
-grow and their peak is the last value. `ExpandableSegments` replays
+nothing gives a segment back but `torch.cuda.empty_cache()` and a failed cudaMalloc, which frees the
+cached segments and retries: at the edge of out-of-memory. With a `capacity` (what the process may
+reserve on its device) the replay does the same: a segment that would not fit first gives the free
+cached segments back; if it still does not fit, `out_of_memory` is set (the replay goes on, so the
+reserved peak says by how much). `ExpandableSegments` replays
 `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` instead: one segment per pool, grown at its end
 in pages of 2 MiB (small pool) or 20 MiB (large pool) as the source's `SegmentRange` maps them.
 """
@@ -49,7 +51,10 @@ def segment_size(size: int) -> int:
 class CachingAllocator:
     """Blocks of the CUDA caching allocator; addresses are made up, sizes follow CUDA's rules."""
 
-    def __init__(self):
+    def __init__(self, capacity: int | None = None):
+        self.capacity = capacity
+        self.out_of_memory = False
+        self.peak = 0  # the largest `reserved`
         self.free_blocks = {True: [], False: []}  # small pool? -> sorted [(size, address)]
         self.blocks = {}  # address -> [size, is_free, small pool?]
         self.ending_at = {}  # end address -> address of the block that ends there
@@ -83,9 +88,13 @@ class CachingAllocator:
     def _grow(self, size: int, small: bool) -> tuple[int, int]:
         """A new segment for a request that no cached block fits: (address, block size)."""
         block_size, address = segment_size(size), self.next_segment
+        if self.capacity is not None and self.reserved + block_size > self.capacity:
+            self.empty_cache()  # the allocator's retry after a failed cudaMalloc
+            self.out_of_memory |= self.reserved + block_size > self.capacity
         self.next_segment += block_size + ROUND_LARGE  # a gap: blocks of two segments never merge
         self.segments[address] = address + block_size
         self.reserved += block_size
+        self.peak = max(self.peak, self.reserved)
         self._place(address, block_size, small)
         return address, block_size
 
@@ -120,7 +129,7 @@ class CachingAllocator:
                     self.reserved -= size
                 else:
                     keep.append((size, address))
-            self.free_blocks[small] = keep
+            pool[:] = keep  # in place: a malloc in progress holds this list
 
     def replay(self, trace: list, addresses: dict | None = None) -> dict:
         """Run recorded events again from the current state: `(address, nbytes)` allocates,
@@ -221,4 +230,4 @@ def later_steps_reserved(allocator: CachingAllocator, forward: list, backward: l
             allocator.free(loss)
         allocator.replay(backward + optimizer, addresses)
         ids, loss = addresses.get(ids_event), addresses.get(loss_event)
-    return allocator.reserved
+    return max(allocator.reserved, getattr(allocator, "peak", 0))

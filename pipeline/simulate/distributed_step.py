@@ -124,5 +124,5 @@ def summarise(tracker, reserved) -> dict:
     top = max(PHASES, key=lambda p: phase_peaks[p])
     phase_components = {phase: dict(tracker.peaks[phase].parts) for phase in PHASES}
     return {"peak_bytes": phase_peaks[top], "components": phase_components[top], "peak_phase": top,
-            "phase_peaks": phase_peaks, "phase_components": phase_components, "peak_reserved_bytes": reserved.allocators[0].reserved,
+            "phase_peaks": phase_peaks, "phase_components": phase_components, "peak_reserved_bytes": reserved.allocators[0].peak,
             "peak_reserved_expandable_bytes": reserved.allocators[1].reserved}

@@ -17,7 +17,7 @@ ATTENTIONS = ("default", "sdpa", "eager")
 
 def predict_peak(config, batch_size: int, seq_len: int, precision: str = "fp32", optimizer: str = "adamw",
                  gradient_checkpointing: bool = False, attn_implementation: str | None = None,
-                 variant: str = "standard", adapter=None) -> dict:
+                 variant: str = "standard", adapter=None, reserve_limit: int | None = None) -> dict:
     """Predicted `torch.cuda.max_memory_allocated()` of the standard training step on an H200.
 
     `config`: a transformers config or a config.json dict. Returns peak_bytes, components (bytes by
@@ -27,6 +27,8 @@ def predict_peak(config, batch_size: int, seq_len: int, precision: str = "fp32",
 
     `adapter`: a `pipeline.adapters.AdapterSpec` (LoRA / QLoRA), run by PEFT's own wrapping on a
     meta model of its own (`pipeline.simulate.adapters`); `trainable_parameters` is then returned too.
+    `reserve_limit`: the bytes the process may reserve on its GPU; the reserved replay then gives
+    cached segments back at that edge as the allocator does (`reserve_limit_exceeded`: it ran out).
     """
     from pipeline.simulate.step import simulate_training_step
 
@@ -42,7 +44,7 @@ def predict_peak(config, batch_size: int, seq_len: int, precision: str = "fp32",
         model = cached_adapter_model(_config_key(config), precision, _attention(attn_implementation), adapter,
                                      gradient_checkpointing)
     result = simulate_training_step(model, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
-                                    variant, device_type="meta")
+                                    variant, device_type="meta", reserve_limit=reserve_limit)
     if adapter is not None:
         from pipeline.adapters import trainable_parameters
 

@@ -29,7 +29,8 @@ PHASES = ("forward", "backward", "optimizer")
 
 def simulate_training_step(model, batch_size: int, seq_len: int, precision: str = "fp32", optimizer: str = "adamw",
                            gradient_checkpointing: bool = False, variant: str = "standard",
-                           device_type: str = "meta", cuda_rules: bool = True, blocks: bool = True) -> dict:
+                           device_type: str = "meta", cuda_rules: bool = True, blocks: bool = True,
+                           reserve_limit: int | None = None) -> dict:
     """Run the training step of `model` (on `device_type`) under the live-byte tracker.
 
     `device_type="cpu"` with real weights runs the same step for real (the tests compare both).
@@ -47,7 +48,7 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     setting = Setting(variant, optimizer, gradient_checkpointing)
     rules = KernelRules(device_type, sdpa=cuda_rules)
     meta = device_type == "meta"
-    reserved = Fanout([CachingAllocator(), ExpandableSegments()])
+    reserved = Fanout([CachingAllocator(reserve_limit), ExpandableSegments()])
     stand_ins = {**scalar_stand_ins(), **scaler_stand_ins()} if meta else None
     tracker = LiveBytesTracker(device_type, workspace_rules() if cuda_rules else None, stand_ins,
                                UniformValues() if meta else None,
@@ -114,6 +115,7 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     result["peak_reserved_bytes"], result["peak_reserved_expandable_bytes"] = (
         later_steps_reserved(allocator, *traces, ids_at and ids_at[i], loss_at and loss_at[i])
         for i, (allocator, *traces) in enumerate(zip(reserved.allocators, forward, backward, optimizer_trace)))
+    result["reserve_limit_exceeded"] = reserved.allocators[0].out_of_memory
     return result
 
 

@@ -53,7 +53,7 @@ PHASES = ("setup", "forward", "backward", "optimizer")
 def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str = "amp-bf16",
                          optim: str = "adamw_torch_fused", gradient_accumulation: int = 1,
                          gradient_checkpointing: bool = False, attn_implementation: str | None = None,
-                         adapter=None) -> dict:
+                         adapter=None, reserve_limit: int | None = None) -> dict:
     """Predicted `torch.cuda.max_memory_allocated()` (peak_bytes) and `max_memory_reserved()`
     (peak_reserved_bytes) of `Trainer.train()` for three optimizer steps (client = trainer;
     precision in TRAINER_PRECISIONS, optim in TRAINER_OPTIMS), the
@@ -80,7 +80,7 @@ def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str =
         model = fresh_adapter_model(_config_key(config), precision, _attention(attn_implementation), adapter,
                                     gradient_checkpointing)
     result = simulate_trainer(model, batch_size, seq_len, precision, optim, gradient_accumulation,
-                              gradient_checkpointing)
+                              gradient_checkpointing, reserve_limit=reserve_limit)
     if adapter is not None:
         from pipeline.adapters import trainable_parameters
 
@@ -101,7 +101,7 @@ def check_installed(optim: str) -> None:
 
 def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim: str, gradient_accumulation: int,
                      gradient_checkpointing: bool, device_type: str = "meta", steps: int = STEPS,
-                     prepared_before: bool = False) -> dict:
+                     prepared_before: bool = False, reserve_limit: int | None = None) -> dict:
     """Run the Trainer's steps on `model` (on `device_type`) under the tracker; `device_type="cpu"`
     with real weights runs the same code for real (the tests compare both). `prepared_before`: the
     model was prepared by an earlier Trainer that left accelerate's mark on it (the GPU client did,
@@ -119,7 +119,7 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
 
     meta = device_type == "meta"
     rules = KernelRules(device_type)
-    reserved = Fanout([CachingAllocator(), ExpandableSegments()])
+    reserved = Fanout([CachingAllocator(reserve_limit), ExpandableSegments()])
     stand_ins = {**scalar_stand_ins(), **scaler_stand_ins()} if meta else {}
     stand_ins.update(accumulation_stand_ins())  # on a real CPU run too: it is the engine's rule, not the device's
     tracker = LiveBytesTracker(device_type, workspace_rules(), stand_ins,
@@ -148,7 +148,8 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
     components = dict(peaks[top].parts)
     return {"peak_bytes": peaks["total"].total, "components": components, "peak_phase": top,
             "phase_peaks": phase_peaks, "optimizer_state_bytes": state,
-            "peak_reserved_bytes": reserved.allocators[0].reserved,
+            "peak_reserved_bytes": reserved.allocators[0].peak,
+            "reserve_limit_exceeded": reserved.allocators[0].out_of_memory,
             "peak_reserved_expandable_bytes": reserved.allocators[1].reserved}
 
 
