@@ -19,16 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.vocabulary import ADAPTER_METHODS, QUANTIZATIONS, check_choice, check_positive_int
 
-METHODS = ("lora", "qlora")
-QUANTIZATIONS = ("nf4", "int8")
 ALL_LINEAR = "all-linear"
-
-
-def _positive(what: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"{what} must be a positive integer, got {value!r}")
-    return value
 
 
 def normalise_targets(targets) -> str:
@@ -61,17 +54,18 @@ class AdapterSpec:
     quantization: str | None = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise UserError(f"adapter method {self.method!r} is not one of {', '.join(METHODS)}")
-        _positive("lora r", self.r)
-        object.__setattr__(self, "alpha", 2 * self.r if self.alpha is None else _positive("lora alpha", self.alpha))
+        check_choice("adapter method", self.method, ADAPTER_METHODS)
+        check_positive_int("lora r", self.r)
+        if self.alpha is None:
+            object.__setattr__(self, "alpha", 2 * self.r)
+        check_positive_int("lora alpha", self.alpha)
         object.__setattr__(self, "targets", normalise_targets(self.targets))
         quantization = self.quantization
         if self.method == "qlora" and quantization is None:
             quantization = "nf4"
             object.__setattr__(self, "quantization", quantization)
-        if quantization is not None and quantization not in QUANTIZATIONS:
-            raise UserError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+        if quantization is not None:
+            check_choice("quantization", quantization, QUANTIZATIONS)
         if self.method == "lora" and quantization is not None:
             raise UserError("a quantized base is QLoRA: method qlora (lora has no quantization)")
 

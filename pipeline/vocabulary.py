@@ -29,6 +29,9 @@ OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adamw_bnb_8bi
 OPTIM_OF_LOOP_OPTIMIZER = {"adamw": "adamw_torch", "sgd": None}
 # loop: the standard training step; trainer: transformers.Trainer (docs/definitions.md)
 CLIENTS = ("loop", "trainer")
+# Adapters on a frozen base: LoRA, or QLoRA on a base quantized by bitsandbytes (nf4: 4-bit, int8: 8-bit)
+ADAPTER_METHODS = ("lora", "qlora")
+QUANTIZATIONS = ("nf4", "int8")
 # Several GPUs: DDP, FSDP2 fully_shard per decoder layer and the root (resharded after forward, or not)
 SHARDINGS = ("ddp", "fsdp", "fsdp-no-reshard")
 VARIANTS = ("standard", "blog")  # blog: the blog's own loop, loss = mean(logits)

@@ -43,10 +43,8 @@ import time
 
 from pipeline.simulate.predict import _as_config, _attention, _config_key, cached_meta_model, check_inputs
 from pipeline.step import STEPS, Setting, set_training_mode
-from pipeline.vocabulary import check_choice, check_positive_int
+from pipeline.vocabulary import OPTIMS, PRECISIONS, check_choice, check_positive_int
 
-TRAINER_OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adamw_bnb_8bit")
-TRAINER_PRECISIONS = ("fp32", "bf16", "amp-bf16", "amp-fp16")
 PHASES = ("setup", "forward", "backward", "optimizer")
 
 
@@ -56,7 +54,7 @@ def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str =
                          adapter=None, reserve_limit: int | None = None) -> dict:
     """Predicted `torch.cuda.max_memory_allocated()` (peak_bytes) and `max_memory_reserved()`
     (peak_reserved_bytes) of `Trainer.train()` for three optimizer steps (client = trainer;
-    precision in TRAINER_PRECISIONS, optim in TRAINER_OPTIMS), the
+    precision in vocabulary.PRECISIONS, optim in vocabulary.OPTIMS), the
     cuBLAS workspaces of an earlier point in the process included, as `predict_peak` counts them.
     Also: components (bytes by role at the peak), phase_peaks, peak_phase, optimizer_state_bytes,
     peak_reserved_expandable_bytes, seconds.
@@ -66,8 +64,8 @@ def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str =
     own PEFT handling; `trainable_parameters` is then returned too."""
     start = time.perf_counter()
     check_inputs(batch_size, seq_len, precision, "adamw", gradient_checkpointing, attn_implementation, "standard")
-    check_choice("precision", precision, TRAINER_PRECISIONS)
-    check_choice("optim", optim, TRAINER_OPTIMS)
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("optim", optim, OPTIMS)
     check_positive_int("gradient_accumulation", gradient_accumulation)
     check_installed(optim)
     config = _as_config(config)
