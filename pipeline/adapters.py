@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.io import read_json_object
 from pipeline.vocabulary import ADAPTER_METHODS, QUANTIZATIONS, check_choice, check_positive_int
 
 ALL_LINEAR = "all-linear"
@@ -113,15 +114,7 @@ def _read_adapter_config(path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "adapter_config.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: adapter config not found") from None
-    except json.JSONDecodeError:
-        raise UserError(f"{path}: not valid JSON") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: not a JSON object")
-    return data
+    return read_json_object(path, "adapter config not found", "not valid JSON", "not a JSON object")
 
 
 def linear_module_names(model) -> list[str]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.io import read_json_object
 from pipeline.registry import ModelEntry
 
 CONFIG_SOURCES = ("auto", "hub", "embedded")
@@ -50,21 +51,7 @@ def config_from_dict(facts: dict, label: str = "config") -> object:
 
 def read_config_file(path) -> dict:
     """The facts of a Hugging Face `config.json` given by path (the one reader of such a file)."""
-    return _json_object(path, "config file not found", "not a JSON config file", "not a JSON object")
-
-
-def _json_object(path, missing: str, unreadable: str, not_object: str) -> dict:
-    """A JSON object read from `path`; a UserError naming the path and what is wrong otherwise."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: {missing}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise UserError(f"{path}: {unreadable}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: {not_object}")
-    return data
+    return read_json_object(path, "config file not found", "not a JSON config file", "not a JSON object")
 
 
 def config_from_file(path: str | Path) -> ResolvedConfig:
@@ -177,7 +164,7 @@ def read_config_records(path) -> dict[str, dict]:
     A record has family, model_type, facts_source, status (ok | skipped), reason, config_source,
     config_revision and config (the config.json facts, None when skipped).
     """
-    return _json_object(path, "not found (run `python -m pipeline configs` first)", "not a readable configs.json",
+    return read_json_object(path, "not found (run `python -m pipeline configs` first)", "not a readable configs.json",
                         "not a configs.json (a JSON object by model id)")
 
 

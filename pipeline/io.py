@@ -1,4 +1,5 @@
-"""Atomic writes: an output is either whole or absent, never half-written."""
+"""Atomic writes: an output is either whole or absent, never half-written; and the one reader of a
+JSON object file that names what is wrong with it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from pipeline.errors import UserError
 
 
 @contextmanager
@@ -38,3 +41,17 @@ def write_json(data, path) -> None:
 def write_text(text: str, path) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+def read_json_object(path, missing: str, unreadable: str, not_object: str) -> dict:
+    """A JSON object read from `path`; a UserError naming the path and what is wrong otherwise."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: {missing}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"{path}: {unreadable}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: {not_object}")
+    return data

@@ -4,10 +4,9 @@ checkpointing and optim. Read as JSON, without transformers: the formula stays t
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.io import read_json_object
 
 # Arguments that change memory in ways no estimator models: named in the answer's notes.
 UNMODELLED = {
@@ -40,16 +39,8 @@ def read_training_args(source) -> dict:
 def _load(source) -> dict:
     if isinstance(source, dict):
         return source
-    path = Path(source)
-    try:
-        args = json.loads(path.read_text())
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read the training arguments ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: not a TrainingArguments JSON ({exc})") from None
-    if not isinstance(args, dict):
-        raise UserError(f"{path}: not a TrainingArguments JSON (an object is expected)")
-    return args
+    return read_json_object(source, "training arguments not found", "not a TrainingArguments JSON",
+                            "not a TrainingArguments JSON (an object is expected)")
 
 
 def _label(source) -> str:
