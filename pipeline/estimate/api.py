@@ -76,11 +76,18 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq, precision
     """
     run, notes = make_run(batch, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
                           client, optim, gradient_accumulation, training_args, num_gpus, sharding,
-                      adapter_from_options(lora_r, lora_alpha, lora_targets, quantization, peft_config))
-    check_choice("method", method, METHODS)
+                          adapter_from_options(lora_r, lora_alpha, lora_targets, quantization, peft_config))
     dev = resolve_device(gpu, gpu_memory_gib)
-    estimator, target = prepare(method, coefficients, model, config, params, active_params)
-    return with_notes(answer(estimator, target, limited(run, dev), dev), notes)
+    estimator, target, run = for_device(method, coefficients, (model, config, params, active_params), run, dev)
+    return with_notes(answer(estimator, target, run, dev), notes)
+
+
+def for_device(method, coefficients, what: tuple, run: Run, dev: Device | None) -> tuple:
+    """(estimator, target, run limited to what it may reserve on `dev`) for the public functions;
+    `what` is (model, config, params, active_params)."""
+    check_choice("method", method, METHODS)
+    estimator, target = prepare(method, coefficients, *what)
+    return estimator, target, limited(run, dev)
 
 
 def with_notes(result: dict, notes: list) -> dict:
@@ -122,29 +129,25 @@ def max_batch_size(model=None, config=None, params=None, *, seq, precision=None,
                    optimizer=None, checkpointing=None, method="heuristic", coefficients=None,
                    attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
                    gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None, lora_r=None,
-             lora_alpha=None, lora_targets=None, quantization=None, peft_config=None) -> int:
+                   lora_alpha=None, lora_targets=None, quantization=None, peft_config=None) -> int:
     """The largest batch that fits the GPU at sequence length `seq` (0: none), by the fit verdict;
     the options are `estimate`'s."""
     run, _ = make_run(1, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
                       client, optim, gradient_accumulation, training_args, num_gpus, sharding,
                       adapter_from_options(lora_r, lora_alpha, lora_targets, quantization, peft_config))
-    check_choice("method", method, METHODS)
     dev = required_device(gpu, gpu_memory_gib)
-    estimator, target = prepare(method, coefficients, model, config, params, active_params)
-    return largest_batch(estimator, target, limited(run, dev), dev)
+    return largest_batch(*for_device(method, coefficients, (model, config, params, active_params), run, dev), dev)
 
 
 def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=None, gpu=None, gpu_memory_gib=None,
                 optimizer=None, checkpointing=None, method="heuristic", coefficients=None,
                 attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
                 gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None, lora_r=None,
-             lora_alpha=None, lora_targets=None, quantization=None, peft_config=None) -> int:
+                lora_alpha=None, lora_targets=None, quantization=None, peft_config=None) -> int:
     """The longest sequence that fits the GPU at batch size `batch` (0: none), by the fit verdict,
     at most the model's context length when its config gives one; the options are `estimate`'s."""
     run, _ = make_run(batch, 1, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
                       client, optim, gradient_accumulation, training_args, num_gpus, sharding,
                       adapter_from_options(lora_r, lora_alpha, lora_targets, quantization, peft_config))
-    check_choice("method", method, METHODS)
     dev = required_device(gpu, gpu_memory_gib)
-    estimator, target = prepare(method, coefficients, model, config, params, active_params)
-    return largest_seq(estimator, target, limited(run, dev), dev)
+    return largest_seq(*for_device(method, coefficients, (model, config, params, active_params), run, dev), dev)

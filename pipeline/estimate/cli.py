@@ -6,10 +6,10 @@ import json
 
 from pipeline.devices import DEVICES
 from pipeline.errors import UserError
-from pipeline.estimate.api import answer, make_run, prepare, with_notes
+from pipeline.estimate.api import answer, for_device, make_run, with_notes
 from pipeline.estimate.search import largest_batch, largest_seq
 from pipeline.estimate.values import GIB
-from pipeline.estimate.verdict import limited, resolve_device
+from pipeline.estimate.verdict import resolve_device
 from pipeline.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, SHARDINGS
 
 
@@ -74,9 +74,8 @@ def _estimate_command(args) -> int:
                           args.gradient_accumulation, args.training_args, args.num_gpus, args.sharding,
                           adapter_from_arguments(args))
     dev = resolve_device(args.gpu, args.gpu_memory)
-    run = limited(run, dev)
-    estimator, target = prepare(args.method, args.coefficients, args.model, args.config, args.params,
-                                args.active_params)
+    estimator, target, run = for_device(args.method, args.coefficients,
+                                        (args.model, args.config, args.params, args.active_params), run, dev)
     if args.max_batch_size:
         largest_found = largest_batch(estimator, target, run, dev)
         run = run.with_batch(args.batch or max(largest_found, 1))
