@@ -260,21 +260,15 @@ def main(argv: list[str] | None = None) -> int:
         points = [tuple(int(v) for v in p.split(":")) for p in args.points.split(",")]
         run_group(args.model, args.precision, args.sharding, points, args.configs, args.out, args.config)
         return 0
+    # the driver: `python -m pipeline measure-distributed`'s own arguments and handler
     parser = argparse.ArgumentParser(prog="python -m pipeline.clients.distributed")
-    parser.add_argument("--plan", default="config/sweep_distributed.yaml")
-    parser.add_argument("--out", default="results/distributed/peak_memory.parquet")
-    parser.add_argument("--config", help="a config.json instead of the plan's model ids (tests)")
-    parser.add_argument("--devices", type=int, help="ranks a group may have (default: the GPUs there are)")
-    parser.add_argument("--dry-run", action="store_true")
-    args = parser.parse_args(argv)
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["measure-distributed", *argv])
     try:
-        rows = run_plan(args.plan, args.out, args.dry_run, args.config, args.devices)
+        return args.handler(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not args.dry_run:
-        print(f"measure-distributed: {len(rows)} rows -> {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
