@@ -86,8 +86,8 @@ def child(mode: str) -> None:
     import torch
 
     from pipeline.activations.counts import ModelCounter, hook_elements
-    from pipeline.configs import resolve_model
-    from pipeline.modeling import build_model
+    from pipeline.inputs.configs import resolve_model
+    from pipeline.inputs.modeling import build_model
 
     config = resolve_model(QWEN, mode="embedded", registry_path=SMALL_REGISTRY).config
     build_model(config, device="meta")  # imports the model's code, the same for both modes
@@ -142,8 +142,8 @@ def main() -> int:
     if args.child:
         child(args.child)
         return 0
-    from pipeline.io import write_json
-    from pipeline.provenance import provenance
+    from pipeline.core.io import write_json
+    from pipeline.core.provenance import provenance
 
     registry = args.registry or default_registry()
     result = {

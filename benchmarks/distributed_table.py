@@ -16,18 +16,19 @@ GIB = 2**30
 
 
 def main() -> None:
-    from pipeline.configs import read_config_records
-    from pipeline.io import write_text
-    from pipeline.simulate import predict_peak
-    from pipeline.simulate.distributed import predict_distributed_peak
+    from pipeline.inputs.configs import read_config_records
+    from pipeline.core.io import write_text
+    from pipeline.simulate import loop_peak
+    from pipeline.simulate.distributed import distributed_peak
+    from pipeline.training.values import Run
 
     records = read_config_records(ROOT / "results/configs.json")
     lines = ["| model | one GPU | N | ddp | fsdp | fsdp-no-reshard |", "|---|---:|---:|---:|---:|---:|"]
     for model_id in MODELS:
         config = records[model_id]["config"]
-        one = predict_peak(config, 1, 2048, "bf16")["peak_bytes"] / GIB
+        one = loop_peak(config, Run(1, 2048, "bf16")).peak_bytes / GIB
         for n in GPUS:
-            cells = [f"{predict_distributed_peak(config, 1, 2048, 'bf16', n, s)['peak_bytes'] / GIB:.1f}"
+            cells = [f"{distributed_peak(config, Run(1, 2048, 'bf16', num_gpus=n, sharding=s)).peak_bytes / GIB:.1f}"
                      for s in SHARDINGS]
             lines.append(f"| {model_id if n == GPUS[0] else ''} | {f'{one:.1f}' if n == GPUS[0] else ''} | {n} | "
                          + " | ".join(cells) + " |")

@@ -18,9 +18,12 @@ import json
 import sys
 from pathlib import Path
 
-KEYS = ["model_id", "precision", "variant", "optimizer", "gradient_checkpointing", "attn_implementation",
-        "batch_size", "seq_len"]
-H200_BYTES = int(139.8 * 2**30)  # what torch reports as the H200's total memory (when a row lacks it)
+from pipeline.training.points import STANDARD_KEY
+
+KEYS = list(STANDARD_KEY)
+from pipeline.formulas.gpus import DEVICES, MIB
+
+H200_BYTES = DEVICES["H200"].cuda_total_mib * MIB  # what torch reports as the H200's total memory (when a row lacks it)
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -37,7 +40,7 @@ def main(argv=None) -> int:
 
     import pandas as pd
 
-    from pipeline.io import write_json, write_text
+    from pipeline.core.io import write_json, write_text
 
     peaks = pd.read_parquet(args.peaks)
     if args.models:

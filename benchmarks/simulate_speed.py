@@ -32,9 +32,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    from pipeline.configs import resolve_config
-    from pipeline.registry import load_registry
-    from pipeline.simulate.predict import cached_meta_model, predict_peak
+    from pipeline.inputs.configs import resolve_config
+    from pipeline.inputs.registry import load_registry
+    from pipeline.simulate.predict import cached_meta_model, loop_peak
+    from pipeline.training.values import Run
 
     entries = {e.id: e for e in load_registry(args.registry, check_model_types=False)}
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, threads {torch.get_num_threads()}")
@@ -47,12 +48,12 @@ def main(argv=None) -> int:
         for precision in args.precisions:
             cached_meta_model.cache_clear()
             start = time.perf_counter()
-            first = predict_peak(config, *POINTS[0], precision)
+            first = loop_peak(config, Run(*POINTS[0], precision))
             first_seconds = time.perf_counter() - start
-            again = [predict_peak(config, b, l, precision)["seconds"] for b, l in POINTS[1:]]
-            ckpt = predict_peak(config, *POINTS[1], precision, gradient_checkpointing=True)["seconds"]
+            again = [loop_peak(config, Run(b, l, precision)).details["seconds"] for b, l in POINTS[1:]]
+            ckpt = loop_peak(config, Run(*POINTS[1], precision, checkpointing=True)).details["seconds"]
             print(f"{model_id:32} {precision:9} {first_seconds:8.2f} {statistics.median(again):8.2f} {ckpt:7.2f} "
-                  f"{first['peak_bytes'] / 2**30:21.2f}")
+                  f"{first.peak_bytes / 2**30:21.2f}")
     return 0
 
 

@@ -14,10 +14,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pipeline.paths import PEAK_PARTS as DEFAULT_PARTS  # noqa: E402
-from pipeline.sweep.parts import EVENTS_FILE, read_rows  # noqa: E402
+from pipeline.core.paths import PEAK_PARTS as DEFAULT_PARTS
+from pipeline.measure.sweep.parts import EVENTS_FILE, read_rows
 
 GOAL = 0.60
 
@@ -109,7 +107,7 @@ def breakdown_table(runs: list[dict], rows: list[dict], events: list[dict]) -> l
 
 
 def calibration_table(rows: list[dict], events: list[dict]) -> list[str]:
-    """Estimate settings suggested by the measured times (medians), to put in config/sweep.yaml."""
+    """TimeModel settings suggested by the measured times (medians), to put in config/sweep.yaml."""
     ok = [r for r in rows if r.get("status") == "ok" and r.get("step_seconds")]
     lines = ["| estimate setting | suggested | from |", "|---|---|---|"]
     for precision in ("fp32", "bf16", "amp-bf16"):
@@ -157,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(efficiency_table(runs, rows)))
     print("\n### Where the wall time went\n")
     print("\n".join(breakdown_table(runs, rows, events)))
-    print("\n### Estimate settings suggested by these times\n")
+    print("\n### TimeModel settings suggested by these times\n")
     print("\n".join(calibration_table(rows, events)))
     return 0
 

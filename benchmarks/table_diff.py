@@ -15,17 +15,16 @@ from pathlib import Path
 
 import pandas as pd
 
+from pipeline.training.points import STANDARD_KEY
+
 IGNORED = {"torch_version", "transformers_version", "cuda_version", "python_version", "git_commit", "device",
            "driver_version", "date", "versions", "datasets_version", "pipeline_version", "platform"}
 KEYS = {
     "models.parquet": ["model_id"],
     "activations.parquet": ["model_id", "method", "dtype", "batch_size", "seq_len"],
-    "peak_memory.parquet": ["model_id", "precision", "variant", "optimizer", "gradient_checkpointing",
-                            "attn_implementation", "batch_size", "seq_len"],
-    "simulated.parquet": ["model_id", "precision", "variant", "optimizer", "gradient_checkpointing",
-                          "attn_implementation", "batch_size", "seq_len"],
-    "validation.parquet": ["model_id", "precision", "variant", "optimizer", "gradient_checkpointing",
-                           "attn_implementation", "batch_size", "seq_len", "estimator"],
+    "peak_memory.parquet": list(STANDARD_KEY),
+    "simulated.parquet": list(STANDARD_KEY),
+    "validation.parquet": [*STANDARD_KEY, "estimator"],
 }
 
 

@@ -72,9 +72,10 @@ def table_rows(table: str, all_clean: bool = False):
 def predict_point(point: dict) -> dict:
     import time
 
-    from pipeline.configs import read_config_records
-    from pipeline.simulate.predict import _as_config, _config_key, cached_meta_model
-    from pipeline.simulate.trainer import predict_trainer_peak, simulate_trainer
+    from pipeline.inputs.configs import read_config_records
+    from pipeline.simulate.predict import as_config, cached_meta_model, config_key, meta_attention
+    from pipeline.simulate.trainer import simulate_trainer, trainer_peak
+    from pipeline.training.values import Run
 
     start = time.perf_counter()
     config = read_config_records(ROOT / "results/configs.json")[point["model_id"]]["config"]
@@ -82,11 +83,14 @@ def predict_point(point: dict) -> dict:
             int(point["gradient_accumulation"]), bool(point["gradient_checkpointing"]))
     try:
         if point["prepared_before"]:
-            attention = None if point["attn_implementation"] in (None, "default") else point["attn_implementation"]
-            model = cached_meta_model(_config_key(_as_config(config)), point["precision"], attention)
+            attention = meta_attention(point["attn_implementation"])
+            model = cached_meta_model(config_key(as_config(config)), point["precision"], attention)
             result = simulate_trainer(model, *args, prepared_before=True)
         else:
-            result = predict_trainer_peak(config, *args, point["attn_implementation"])
+            estimate = trainer_peak(config, Run(args[0], args[1], args[2], checkpointing=args[5],
+                                                attn_implementation=meta_attention(point["attn_implementation"]),
+                                                client="trainer", optim=args[3], gradient_accumulation=args[4]))
+            result = {"peak_bytes": estimate.peak_bytes, "peak_reserved_bytes": estimate.reserved_bytes}
     except Exception as exc:  # noqa: BLE001 - one failing point is reported, not fatal
         return dict(point, predicted_bytes=None, predicted_reserved_bytes=None, error=f"{type(exc).__name__}: {exc}"[:200])
     return dict(point, predicted_bytes=result["peak_bytes"], predicted_reserved_bytes=result["peak_reserved_bytes"],

@@ -41,7 +41,7 @@ def untouched_rows(frame):
 def main() -> None:
     import pandas as pd
 
-    from pipeline.io import write_parquet
+    from pipeline.core.io import write_parquet
 
     for source, (target, measured_again) in SOURCES.items():
         frame = pd.read_parquet(ROOT / source)

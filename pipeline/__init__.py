@@ -1,11 +1,11 @@
 """Activations vs parameters: measured activations and training-memory peaks of causal LMs.
 
-The data flows one way through layers (docs/architecture.md): plumbing -> inputs (registry,
-configs, modeling) -> measuring (activations, memory and sweep, simulate) -> knowledge (formulas,
-coefficients, fit) -> answers (estimate, validate) -> outputs (figures, dataset, publish).
+The package's folders are its layers, in the order the data flows (docs/architecture.md): core ->
+inputs -> formulas -> training -> fit -> {activations, measure, simulate} -> estimate -> validate ->
+publish, and the command line (`cli`).
 """
 
-from pipeline.provenance import PACKAGE_VERSION as __version__  # noqa: F401
+from pipeline.core.provenance import PACKAGE_VERSION as __version__  # noqa: F401
 
 import logging as _logging
 

@@ -10,23 +10,23 @@ import argparse
 import importlib
 import sys
 
-from pipeline.arguments import OneLineParser
-from pipeline.errors import UserError
+from pipeline.core.arguments import OneLineParser
+from pipeline.core.errors import UserError
 
 STAGE_MODULES = (
-    "pipeline.configs",
+    "pipeline.inputs.configs",
     "pipeline.activations",
-    "pipeline.memory",
-    "pipeline.sweep",
-    "pipeline.clients.distributed",
+    "pipeline.measure.cli",
+    "pipeline.measure.sweep",
+    "pipeline.measure.distributed",
     "pipeline.simulate",
-    "pipeline.fit",
+    "pipeline.fit.stage",
     "pipeline.estimate",
-    "pipeline.validate",
-    "pipeline.validate_settings",
-    "pipeline.dataset",
-    "pipeline.figures",
-    "pipeline.publish",
+    "pipeline.validate.peaks",
+    "pipeline.validate.settings",
+    "pipeline.publish.dataset",
+    "pipeline.publish.figures",
+    "pipeline.publish.upload",
 )
 
 

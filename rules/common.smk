@@ -10,13 +10,13 @@ import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from pipeline.configs import read_config_records
-from pipeline.dataset import failure_report
-from pipeline.figures import expected_figures
-from pipeline.paths import (ACTIVATIONS, COEFFICIENTS, CONFIGS, MODELS, PEAKS, SETTINGS_SIMULATED, SETTINGS_SUMMARY,
+from pipeline.inputs.configs import read_config_records
+from pipeline.publish.dataset import failure_report
+from pipeline.publish.figures import expected_figures
+from pipeline.core.paths import (ACTIVATIONS, COEFFICIENTS, CONFIGS, MODELS, PEAKS, SETTINGS_SIMULATED, SETTINGS_SUMMARY,
                             SETTINGS_TABLES, SETTINGS_VALIDATION, SIMULATED, VALIDATION)
-from pipeline.registry import SCHEMA_PATH as REGISTRY_SCHEMA
-from pipeline.registry import safe_name, validate_registry_data
+from pipeline.inputs.registry import SCHEMA_PATH as REGISTRY_SCHEMA
+from pipeline.inputs.registry import safe_name, validate_registry_data
 
 
 # `--config publish=true` arrives as the string "true" (Snakemake only reads True/False as booleans).
@@ -86,7 +86,7 @@ def model_id(wildcards):
 
 
 def plan_models():
-    from pipeline.sweep.plan import load_plan, plan_models
+    from pipeline.measure.sweep.plan import load_plan, plan_models
 
     return plan_models(load_plan(config["sweep_plan"]))
 

@@ -17,8 +17,21 @@ REPO = Path(__file__).resolve().parent.parent
 REGISTRY = REPO / "models.yaml"
 SMALL_REGISTRY = REPO / "tests" / "data" / "models_small.yaml"
 COMMITTED_PEAKS = REPO / "results" / "peak_memory.parquet"
+# Tiny real architectures that the simulator's tests run on the meta device and for real on the CPU.
+TINY_LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+# gpt2 has dropout everywhere (embeddings, attention, residuals) and a tied lm_head
+TINY_GPT2 = dict(model_type="gpt2", vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256)
 # The quickest models to count, of two families: enough for a fit with leave-one-family-out.
 MODELS = ("EleutherAI/pythia-14m", "EleutherAI/pythia-70m", "distilbert/distilgpt2", "openai-community/gpt2")
+
+def flat(estimate) -> dict:
+    """A simulation's Estimate in the form of the step runs that real CPU checks return (peak_bytes,
+    components, the reserved bytes and the details), so that the two compare key by key."""
+    return {"peak_bytes": estimate.peak_bytes, "components": estimate.components,
+            "peak_reserved_bytes": estimate.reserved_bytes,
+            "peak_reserved_expandable_bytes": estimate.reserved_expandable_bytes, **estimate.details}
+
 
 def pipeline(*args, cwd, env=None, check=True):
     result = subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=cwd, capture_output=True,
@@ -69,6 +82,14 @@ def staged_results(tmp_path_factory) -> Path:
     return stage_results(tmp_path_factory.getbasetemp() / "stage-results")
 
 
+@pytest.fixture(scope="session")
+def built(staged_results):
+    """The staged results with the dataset folder the dataset stage makes of them."""
+    root = staged_results.parent
+    pipeline("dataset", "--results", "results", "--out", "results/dataset", "--repo", "someone/avp-test", cwd=root)
+    return root
+
+
 def real_tables(directory: Path) -> tuple[Path, Path]:
     """models.parquet and activations.parquet of the test registry, counted by the activations stage's code.
 
@@ -77,7 +98,7 @@ def real_tables(directory: Path) -> tuple[Path, Path]:
     import pandas as pd
 
     from pipeline.activations import ACTIVATION_COLUMNS, MODEL_COLUMNS, PointSet, count_model, read_jobs
-    from pipeline.configs import write_configs
+    from pipeline.inputs.configs import write_configs
 
     configs = directory / "configs.json"
     write_configs(SMALL_REGISTRY, configs, mode="embedded")

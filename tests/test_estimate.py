@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from pipeline.cli import main
-from pipeline.coefficients import load_coefficients
-from pipeline.errors import UserError
+from pipeline.formulas.coefficients import load_coefficients
+from pipeline.core.errors import UserError
 from pipeline.estimate import GIB, estimate, max_batch_size
-from pipeline.fit import run_fit
+from pipeline.fit.stage import run_fit
 from conftest import SMALL_REGISTRY as REGISTRY
 
 QWEN_1_5B_PARAMETERS = 1_543_714_304
@@ -147,16 +147,17 @@ def test_one_estimator_per_method_and_a_checked_run():
     from dataclasses import FrozenInstanceError
 
     from pipeline.estimate import ESTIMATORS, Run
-    from pipeline.vocabulary import METHODS
+    from pipeline.core.vocabulary import METHODS
 
     assert tuple(ESTIMATORS) == METHODS and all(ESTIMATORS[m].name == m for m in METHODS)
-    run = Run(2, 8, "bf16", checkpointing=1)
+    run = Run(2, 8, "bf16", checkpointing=True)
     assert run.checkpointing is True and run.with_batch(5).batch == 5 and run.batch == 2
     with pytest.raises(FrozenInstanceError):
         run.batch = 3
     for bad, message in ((dict(batch=0), "batch must be a positive integer"), (dict(seq=True), "seq must be"),
                          (dict(precision="fp16"), "precision 'fp16' is not one of"),
-                         (dict(optimizer="adam"), "optimizer 'adam' is not one of")):
+                         (dict(optimizer="adam"), "optimizer 'adam' is not one of"),
+                         (dict(checkpointing=1), "checkpointing must be true or false, not 1")):
         with pytest.raises(UserError, match=message):
             Run(**{"batch": 1, "seq": 8, "precision": "fp32", **bad})
 
@@ -204,7 +205,7 @@ def test_formulas_and_coefficients_import_nothing_heavy():
     import subprocess
     import sys
 
-    code = ("import sys, pipeline.formulas, pipeline.coefficients; "
+    code = ("import sys, pipeline.formulas.components, pipeline.formulas.coefficients; "
             "print(sorted({'torch', 'transformers', 'numpy', 'pandas', 'sklearn'} & set(sys.modules)))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
@@ -212,8 +213,8 @@ def test_formulas_and_coefficients_import_nothing_heavy():
 def test_config_shape_check_is_the_registry_one(coefficients, tmp_path, capsys):
     """An attention-free model's config.json (mamba: no attention heads) is estimated; a config
     without a shape fact its class has is one line, exit 2."""
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build_model
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build_model
 
     entries = {e["id"]: e for e in yaml.safe_load(Path("models.yaml").read_text())["models"]}
     facts = next(e["config"] for e in entries.values() if e["config"].get("model_type") == "mamba")

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from pipeline.cli import main
-from pipeline.configs import read_config_records
-from pipeline.errors import UserError
+from pipeline.inputs.configs import read_config_records
+from pipeline.core.errors import UserError
 from pipeline.estimate import estimate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,8 +92,8 @@ def test_formula_counts_the_adapters_fp32_inputs_and_the_quantized_bases_fp32_st
     """Llama-3.2-1B, r=16 on all linears, B=4, L=2048, measured on the H100: LoRA 36.03 GB, QLoRA
     74.60 GB. The formula's LoRA term (fp32 adapter inputs saved, frozen inputs released) is
     7.52 GB here (6.37 GB simulated); a 4-bit base keeps fp32 training's activations."""
-    from pipeline.adapter_terms import lora_saved_bytes_per_token
-    from pipeline.features import read_facts
+    from pipeline.formulas.adapter_terms import lora_saved_bytes_per_token
+    from pipeline.formulas.features import read_facts
 
     config = read_config_records(REPO / "results/configs.json")["meta-llama/Llama-3.2-1B"]["config"]
     facts = read_facts(config)

@@ -1,24 +1,26 @@
 """`estimate` for several GPUs (num_gpus, sharding): the exact method runs the DDP / FSDP2
-simulation (pipeline.simulate.distributed, checked against a real gloo run in test_distributed.py),
+simulation (pipeline.simulate.distributed, checked against a real gloo run in test_simulate_distributed.py),
 the closed forms shard their terms, bad options are one line."""
 
 from __future__ import annotations
 
 import pytest
+from conftest import flat
 
 from pipeline.cli import main
 from pipeline.estimate import estimate
+from pipeline.training.values import Run
 
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
 def test_exact_fsdp_is_the_distributed_simulation():
-    from pipeline.simulate.distributed import predict_distributed_peak
+    from pipeline.simulate.distributed import distributed_peak
 
     answer = estimate(config=TINY, batch=2, seq=64, precision="bf16", method="exact", num_gpus=4, sharding="fsdp",
                       gpu_memory_gib=80)
-    direct = predict_distributed_peak(TINY, 2, 64, "bf16", 4, "fsdp")
+    direct = flat(distributed_peak(TINY, Run(2, 64, "bf16", num_gpus=4, sharding="fsdp")))
     assert answer["peak_bytes"] == direct["peak_bytes"] and answer["peak_reserved_bytes"] == direct["peak_reserved_bytes"]
     assert (answer["num_gpus"], answer["sharding"], answer["fits"]) == (4, "fsdp", True)
     one = estimate(config=TINY, batch=2, seq=64, precision="bf16", method="exact")

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from pipeline.cli import main
-from pipeline.configs import read_config_records
-from pipeline.errors import UserError
+from pipeline.inputs.configs import read_config_records
+from pipeline.core.errors import UserError
 from pipeline.estimate import estimate
 from pipeline.estimate.api import make_run
 

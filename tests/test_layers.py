@@ -8,20 +8,24 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pipeline"
 
-# Top-level module or subpackage of pipeline/ -> layer; a module imports from layers <= its own.
-LAYERS = {
-    "plumbing": ("errors", "io", "paths", "provenance", "vocabulary", "arguments"),
-    "inputs": ("registry", "configs", "modeling"),
-    "measuring": ("adapters", "step", "autocast", "activations", "clients", "memory", "sweep", "simulate"),
-    "knowledge": ("devices", "formulas", "features", "hook_features", "coefficients", "formula_fit", "formula_peak",
-                  "formula_regression", "line_fit", "peak_constants", "fit", "adapter_terms"),
-    "answers": ("estimate", "validate", "validate_settings"),
-    "outputs": ("figures", "dataset", "publish"),
-    "entry": ("cli", "__main__", "__init__"),
-}
-RANK = {unit: rank for rank, units in enumerate(LAYERS.values()) for unit in units}
-# Knowledge is pure: a formula or a coefficient file is usable without torch or transformers.
-PURE = ("devices", "formulas", "features", "hook_features", "coefficients", "adapter_terms")
+# The package's folders are its layers, in order; a folder imports only from its own layer and the ones
+# before it. Folders of one layer are wings that never import each other (counting on the meta device,
+# measuring on a GPU and simulating share `training/`, not code of one another).
+LAYERS = (
+    ("core",),
+    ("inputs",),
+    ("formulas",),
+    ("training",),
+    ("fit",),
+    ("activations", "measure", "simulate"),
+    ("estimate",),
+    ("validate",),
+    ("publish", "serve"),
+    ("cli", "__main__", "__init__"),
+)
+RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+# Formulas and fits are pure: a formula or a coefficient file is usable without torch or transformers.
+PURE = ("formulas", "fit")
 
 
 def module_name(path: Path) -> str:
@@ -97,6 +101,17 @@ def test_imports_go_down_the_layers():
     upward = [f"{source} imports {target}" for source, targets in graph().items() for target in targets
               if RANK[unit(target)] > RANK[unit(source)]]
     assert upward == []
+
+
+def test_wings_never_import_each_other():
+    crossing = [f"{source} imports {target}" for source, targets in graph().items() for target in targets
+                if unit(source) != unit(target) and RANK[unit(source)] == RANK[unit(target)] != RANK["cli"]]
+    assert crossing == []
+
+
+def test_the_root_holds_only_the_entry_point():
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py", "__main__.py", "cli.py"]
+    assert {unit(module_name(p)) for p in PACKAGE.rglob("*.py")} <= set(RANK)
 
 
 @pytest.mark.parametrize("pure", PURE)

@@ -15,17 +15,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TINY_GPT2, TINY_LLAMA
 import yaml
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
+from pipeline.training.values import Run
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_REGISTRY = REPO / "tests" / "data" / "models_small.yaml"
 PEAKS = REPO / "results" / "peak_memory.parquet"
-TINY_LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-# gpt2 has dropout everywhere (embeddings, attention, residuals) and a tied lm_head
-TINY_GPT2 = dict(model_type="gpt2", vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256)
 
 
 def small_facts(model_id: str) -> dict:
@@ -36,8 +34,8 @@ def small_facts(model_id: str) -> dict:
 def run_step(facts: dict, device: str, precision: str, attn: str = "eager", **setting) -> dict:
     import torch
 
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
     from pipeline.simulate.step import simulate_training_step
 
     torch.manual_seed(0)
@@ -78,43 +76,43 @@ def test_pythia_14m_components_at_the_optimizer_peak():
     """pythia-14m (real config) in fp32 with AdamW at a short sequence peaks in the optimizer step,
     with weights, grads, both moments and one AdamW intermediate per parameter alive (4 bytes per
     parameter each, counted in caching-allocator blocks, which are at least the bytes asked for)."""
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
-    from pipeline.simulate import predict_peak
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
+    from pipeline.simulate import loop_peak
     from pipeline.simulate.kernels import CUBLAS_WORKSPACES
 
     facts = small_facts("EleutherAI/pythia-14m")
     model = build(config_from_dict(facts), "fp32", device="meta")
     weights = sum(p.nbytes for p in model.parameters())
-    result = predict_peak(facts, 1, 64, "fp32")
-    parts = result["components"]
-    assert result["peak_phase"] == "optimizer"
-    assert result["optimizer_state_bytes"] == 2 * weights  # storage bytes, as pipeline.memory reports them
+    result = loop_peak(facts, Run(1, 64, "fp32"))
+    parts = result.components
+    assert result.details["peak_phase"] == "optimizer"
+    assert result.details["optimizer_state_bytes"] == 2 * weights  # storage bytes, as pipeline.measure.point reports them
     for name, copies in (("parameters", 1), ("gradients", 1), ("optimizer_state", 2), ("optimizer_intermediates", 1)):
         assert copies * weights <= parts[name] <= copies * weights * 1.01, name
     assert parts["activations"] >= sum(CUBLAS_WORKSPACES)
-    assert result["peak_bytes"] == sum(parts.values())
+    assert result.peak_bytes == sum(parts.values())
 
 
 def test_meta_output_cache_changes_nothing(monkeypatch):
     """The cache of meta-kernel outputs is a speed-up only: cold, warm and without it, the same bytes
     (it must not turn a view, e.g. _unsafe_view, into a fresh storage)."""
     import pipeline.simulate.tracker as tracker
-    from pipeline.simulate import predict_peak
+    from pipeline.simulate import loop_peak
     from pipeline.simulate.output_cache import MetaOutputCache
 
     monkeypatch.setattr(tracker, "SHARED_OUTPUT_CACHE", MetaOutputCache())
     facts = dict(TINY_LLAMA, num_hidden_layers=3)
-    cold = predict_peak(facts, 2, 48, "amp-bf16", gradient_checkpointing=True)
-    warm = predict_peak(facts, 2, 48, "amp-bf16", gradient_checkpointing=True)
+    cold = loop_peak(facts, Run(2, 48, "amp-bf16", checkpointing=True))
+    warm = loop_peak(facts, Run(2, 48, "amp-bf16", checkpointing=True))
 
     class NoCache:
         def run(self, func, args, kwargs):
             return func(*args, **kwargs)
 
     monkeypatch.setattr(tracker, "SHARED_OUTPUT_CACHE", NoCache())
-    uncached = predict_peak(facts, 2, 48, "amp-bf16", gradient_checkpointing=True)
-    assert cold["phase_peaks"] == warm["phase_peaks"] == uncached["phase_peaks"]
+    uncached = loop_peak(facts, Run(2, 48, "amp-bf16", checkpointing=True))
+    assert cold.details["phase_peaks"] == warm.details["phase_peaks"] == uncached.details["phase_peaks"]
 
 
 # ----------------------------------------------------------------------------- CUDA rules
@@ -141,10 +139,10 @@ def test_sdpa_kernel_choice_follows_cuda_rules():
 
 def test_fp32_long_sequences_grow_quadratically_with_the_math_kernel():
     """fp32 with grouped-query attention materialises (B, H, L, L) scores; bf16 (flash) does not."""
-    from pipeline.simulate import predict_peak
+    from pipeline.simulate import loop_peak
 
     facts = dict(TINY_LLAMA, num_hidden_layers=1)
-    saved = {(p, length): predict_peak(facts, 1, length, p)["saved_bytes"]
+    saved = {(p, length): loop_peak(facts, Run(1, length, p)).details["saved_bytes"]
              for p in ("fp32", "bf16") for length in (64, 128)}
     # S(2L) - 2 S(L) keeps only the quadratic part: (4 heads, L, L) fp32 probabilities at least
     quadratic = (4 * 128 * 128 - 2 * 4 * 64 * 64) * 4
@@ -154,11 +152,11 @@ def test_fp32_long_sequences_grow_quadratically_with_the_math_kernel():
 
 def test_amp_keeps_bf16_weight_casts_until_the_forward_ends():
     """amp-bf16 saves the bf16 copies of the weights for backward (autocast's cast cache)."""
-    from pipeline.simulate import predict_peak
+    from pipeline.simulate import loop_peak
 
     facts = dict(TINY_LLAMA, vocab_size=64)
-    amp = predict_peak(facts, 1, 16, "amp-bf16")["saved_bytes"]
-    fp32 = predict_peak(facts, 1, 16, "fp32")["saved_bytes"]
+    amp = loop_peak(facts, Run(1, 16, "amp-bf16")).details["saved_bytes"]
+    fp32 = loop_peak(facts, Run(1, 16, "fp32")).details["saved_bytes"]
     layer_linears = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 160)  # q, o, k, v, gate, up, down per layer
     assert amp >= layer_linears * 2  # bf16 copies (2 bytes each)
     assert amp != fp32
@@ -168,29 +166,29 @@ def test_amp_keeps_bf16_weight_casts_until_the_forward_ends():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(batch_size=0), "batch_size"),
-    (dict(seq_len=-3), "seq_len"),
+    (dict(batch=0), "batch"),
+    (dict(seq=-3), "seq"),
     (dict(precision="fp16"), "precision"),
     (dict(optimizer="adam"), "optimizer"),
     (dict(attn_implementation="flash"), "attn_implementation"),
-    (dict(gradient_checkpointing="yes"), "gradient_checkpointing"),
+    (dict(checkpointing="yes"), "checkpointing"),
 ])
 def test_bad_arguments_raise_user_error(kwargs, message):
-    from pipeline.simulate import predict_peak
+    from pipeline.simulate import loop_peak
 
-    arguments = dict(config=TINY_LLAMA, batch_size=1, seq_len=8)
+    arguments = dict(batch=1, seq=8, precision="fp32")
     arguments.update(kwargs)
     with pytest.raises(UserError, match=message):
-        predict_peak(**arguments)
+        loop_peak(TINY_LLAMA, Run(**arguments))
 
 
 def test_bad_configs_raise_user_error():
-    from pipeline.simulate import predict_peak
+    from pipeline.simulate import loop_peak
 
     with pytest.raises(UserError, match="model_type"):
-        predict_peak({"model_type": "no-such-model"}, 1, 8)
+        loop_peak({"model_type": "no-such-model"}, Run(1, 8, "fp32"))
     with pytest.raises(UserError, match="cannot be built"):
-        predict_peak(dict(TINY_GPT2, n_embd=30), 1, 8)  # 30 is not divisible by 4 heads
+        loop_peak(dict(TINY_GPT2, n_embd=30), Run(1, 8, "fp32"))  # 30 is not divisible by 4 heads
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
@@ -255,8 +253,8 @@ SMALL_MODELS = ("EleutherAI/pythia-14m", "EleutherAI/pythia-70m", "openai-commun
 def test_predictions_match_measured_h200_peaks_for_small_models():
     import pandas as pd
 
-    from pipeline.configs import load_configs
-    from pipeline.simulate import predict_peak
+    from pipeline.inputs.configs import load_configs
+    from pipeline.simulate import loop_peak
 
     peaks = pd.read_parquet(PEAKS)
     rows = peaks[(peaks["status"] == "ok") & peaks["model_id"].isin(SMALL_MODELS) & (peaks["variant"] == "standard")]
@@ -266,9 +264,8 @@ def test_predictions_match_measured_h200_peaks_for_small_models():
     rows = rows.groupby(["model_id", "precision"]).head(3)
     errors = []
     for row in rows.itertuples():
-        result = predict_peak(configs[row.model_id].config, int(row.batch_size), int(row.seq_len), row.precision,
-                              row.optimizer, bool(row.gradient_checkpointing), row.attn_implementation)
-        errors.append(abs(result["peak_bytes"] - row.peak_allocated_bytes) / row.peak_allocated_bytes)
+        result = loop_peak(configs[row.model_id].config, Run.from_row(row))
+        errors.append(abs(result.peak_bytes - row.peak_allocated_bytes) / row.peak_allocated_bytes)
     errors.sort()
     assert errors[len(errors) // 2] <= 0.03
     assert errors[-1] <= 0.10
@@ -278,11 +275,11 @@ def test_predictions_match_measured_h200_peaks_for_small_models():
 
 
 def test_cuda_autocast_alone_casts_a_plain_meta_forward():
-    """pipeline.autocast.CudaAutocast without the simulator: matmuls in bf16, reductions and
+    """pipeline.training.autocast.CudaAutocast without the simulator: matmuls in bf16, reductions and
     losses in fp32, one bf16 copy of a weight per forward (the cast cache), nothing outside."""
     import torch
 
-    from pipeline.autocast import CudaAutocast
+    from pipeline.training.autocast import CudaAutocast
 
     linear = torch.nn.Linear(8, 8, device="meta")
     x = torch.empty(2, 8, device="meta")

@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from pipeline.training.values import Run
 
-from test_simulate import TINY_GPT2, TINY_LLAMA, run_step
+from conftest import TINY_GPT2, TINY_LLAMA, flat
+from test_simulate import run_step
 
 REPO = Path(__file__).resolve().parent.parent
 H100_PEAKS = REPO / "results" / "trainer" / "h100" / "peak_memory.parquet"
@@ -43,9 +45,9 @@ def test_the_scaler_adds_its_own_tensors_to_amp_bf16():
 
 
 def test_predict_peak_and_the_cli_take_amp_fp16(tmp_path):
-    from pipeline.simulate import predict_peak
+    from pipeline.simulate import loop_peak
 
-    result = predict_peak(TINY_LLAMA, 2, 32, "amp-fp16", gradient_checkpointing=True)
+    result = flat(loop_peak(TINY_LLAMA, Run(2, 32, "amp-fp16", checkpointing=True)))
     assert result["peak_bytes"] > 0 and result["peak_reserved_bytes"] >= result["peak_bytes"]
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY_LLAMA))
@@ -63,9 +65,9 @@ def test_predictions_match_the_loops_amp_fp16_peaks_measured_on_the_h100():
     out-of-memory point does not fit the H100 80GB by the simulated reserved bytes."""
     import pandas as pd
 
-    from pipeline.configs import load_configs
-    from pipeline.devices import DEVICES, outside_bytes
-    from pipeline.simulate import predict_peak
+    from pipeline.inputs.configs import load_configs
+    from pipeline.formulas.gpus import DEVICES, outside_bytes
+    from pipeline.simulate import loop_peak
 
     peaks = pd.read_parquet(H100_PEAKS)
     rows = peaks[(peaks["client"] == "loop") & (peaks["model_id"] == "HuggingFaceTB/SmolLM2-135M")
@@ -74,8 +76,7 @@ def test_predictions_match_the_loops_amp_fp16_peaks_measured_on_the_h100():
     config = load_configs(REPO / "results" / "configs.json")["HuggingFaceTB/SmolLM2-135M"].config
     device = DEVICES["H100 80GB"]
     for row in rows.itertuples():
-        result = predict_peak(config, int(row.batch_size), int(row.seq_len), row.precision, row.optimizer,
-                              bool(row.gradient_checkpointing), row.attn_implementation)
+        result = flat(loop_peak(config, Run.from_row(row)))
         total = result["peak_reserved_bytes"] + outside_bytes(device, row.precision, row.attn_implementation)
         if row.status == "oom":
             assert total > device.total_bytes

@@ -7,21 +7,21 @@ random init) against the meta stand-in of its packed weights, checkpointing on a
 from __future__ import annotations
 
 import pytest
+from conftest import TINY_LLAMA, flat
 
-from pipeline.adapters import AdapterSpec
-from pipeline.errors import UserError
+from pipeline.training.adapters import AdapterSpec
+from pipeline.core.errors import UserError
+from pipeline.training.values import Run
 
-TINY_LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 KEYS = ("peak_bytes", "phase_peaks", "components", "saved_bytes", "optimizer_state_bytes")
 
 
 def real_cpu_step(spec: AdapterSpec, precision: str, checkpointing: bool, bases) -> dict:
     import torch
 
-    from pipeline.adapters import apply_adapters, build_adapter_model
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
+    from pipeline.training.adapters import apply_adapters, build_adapter_model
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
     from pipeline.simulate.step import simulate_training_step
 
     torch.manual_seed(0)
@@ -43,11 +43,10 @@ def bases(tmp_path, monkeypatch):
 @pytest.mark.parametrize("precision", ["bf16", "amp-bf16"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_meta_simulation_equals_real_cpu_step(spec, precision, checkpointing, bases):
-    from pipeline.simulate import predict_peak
+    from pipeline.simulate import loop_peak
 
     real = real_cpu_step(spec, precision, checkpointing, bases)
-    simulated = predict_peak(TINY_LLAMA, 2, 24, precision, gradient_checkpointing=checkpointing,
-                             attn_implementation="eager", adapter=spec)
+    simulated = flat(loop_peak(TINY_LLAMA, Run(2, 24, precision, checkpointing=checkpointing, attn_implementation="eager", adapter=spec)))
     for key in KEYS:
         assert simulated[key] == real[key], key
     assert real["components"]["optimizer_state"] > 0 and real["saved_bytes"] > 0
@@ -62,9 +61,9 @@ def test_qlora_base_on_meta_is_packed_and_upcast():
     import torch
 
     from pipeline.simulate.adapters import cached_adapter_model
-    from pipeline.simulate.predict import _as_config, _config_key, cached_meta_model
+    from pipeline.simulate.predict import as_config, cached_meta_model, config_key
 
-    key = _config_key(_as_config(dict(TINY_LLAMA)))
+    key = config_key(as_config(dict(TINY_LLAMA)))
     model = cached_adapter_model(key, "bf16", None, AdapterSpec.make(8, quantization="nf4"), False)
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
     assert type(q_proj.weight).__name__ == "Params4bit"
@@ -95,11 +94,11 @@ def test_cuda_gemm_4bit_dequantizes_the_weight_where_bitsandbytes_falls_back():
 
 
 def test_adapter_bad_input_is_one_line():
-    from pipeline.simulate import predict_peak
+    from pipeline.simulate import loop_peak
 
     with pytest.raises(UserError, match="its linear modules are down_proj, gate_proj"):
-        predict_peak(TINY_LLAMA, 1, 8, "bf16", adapter=AdapterSpec.make(8, targets="c_attn"))
+        loop_peak(TINY_LLAMA, Run(1, 8, "bf16", adapter=AdapterSpec.make(8, targets="c_attn")))
     with pytest.raises(UserError, match="int8"):
-        predict_peak(TINY_LLAMA, 1, 8, "bf16", adapter=AdapterSpec.make(8, quantization="int8"))
+        loop_peak(TINY_LLAMA, Run(1, 8, "bf16", adapter=AdapterSpec.make(8, quantization="int8")))
     with pytest.raises(UserError, match="AdapterSpec"):
-        predict_peak(TINY_LLAMA, 1, 8, "bf16", adapter={"r": 8})
+        loop_peak(TINY_LLAMA, Run(1, 8, "bf16", adapter={"r": 8}))

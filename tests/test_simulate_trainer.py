@@ -7,19 +7,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import TINY_LLAMA, flat
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
+from pipeline.training.values import Run
 
 REPO = Path(__file__).resolve().parent.parent
-TINY_LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 def run_trainer(device: str, precision: str, optim: str, accumulation: int = 1, checkpointing: bool = False) -> dict:
     import torch
 
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
     from pipeline.simulate.trainer import simulate_trainer
 
     torch.manual_seed(0)
@@ -55,8 +55,8 @@ def test_bnb_8bit_state_is_one_byte_moments_and_block_absmax():
     (transformers' create_optimizer registers them with optim_bits=32); the quantile maps."""
     import torch
 
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
 
     model = build(config_from_dict(TINY_LLAMA), "fp32", "eager", device="meta")
     expected = 2 * 256 * 4  # qmap1, qmap2 (shared by all parameters)
@@ -82,12 +82,12 @@ def test_a_second_prediction_keeps_the_autocast_wrapper():
     """accelerate marks a prepared model (`_is_accelerate_prepared`) and then leaves it unwrapped:
     restore() drops the mark, so the cached meta model predicts the same twice; with the mark kept
     (`prepared_before`, what the GPU client did before) the amp forward computes in fp32."""
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
-    from pipeline.simulate.trainer import predict_trainer_peak, simulate_trainer
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
+    from pipeline.simulate.trainer import trainer_peak, simulate_trainer
 
-    first = predict_trainer_peak(TINY_LLAMA, 2, 64)
-    assert predict_trainer_peak(TINY_LLAMA, 2, 64)["peak_bytes"] == first["peak_bytes"]
+    first = flat(trainer_peak(TINY_LLAMA, Run(2, 64, "amp-bf16", client="trainer")))
+    assert flat(trainer_peak(TINY_LLAMA, Run(2, 64, "amp-bf16", client="trainer")))["peak_bytes"] == first["peak_bytes"]
     model = build(config_from_dict(TINY_LLAMA), "amp-bf16", "default", device="meta")
     unwrapped = simulate_trainer(model, 2, 64, "amp-bf16", "adamw_torch_fused", 1, False, prepared_before=True)
     fp32 = simulate_trainer(build(config_from_dict(TINY_LLAMA), "fp32", "default", device="meta"), 2, 64, "fp32",
@@ -96,15 +96,15 @@ def test_a_second_prediction_keeps_the_autocast_wrapper():
 
 
 def test_the_gpu_client_autocasts_every_point_of_a_process():
-    """pipeline.clients.trainer on the CPU, twice on one model: both Trainers run the forward under
+    """pipeline.measure.clients.trainer on the CPU, twice on one model: both Trainers run the forward under
     autocast (the second skipped it while restore() left accelerate's mark on the model)."""
     import torch
 
-    from pipeline.clients.tracking import PhaseTracker
-    from pipeline.clients.trainer import run_steps
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
-    from pipeline.step import Setting
+    from pipeline.measure.clients.tracking import PhaseTracker
+    from pipeline.measure.clients.trainer import run_steps
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
+    from pipeline.training.step import Setting
 
     model = build(config_from_dict(TINY_LLAMA), "amp-bf16", "eager", device="cpu")
     seen = []
@@ -118,8 +118,8 @@ def test_fused_adamw_state_is_two_moments_and_device_steps():
     """adamw_torch_fused on meta: exp_avg and exp_avg_sq per parameter plus a 0-dim fp32 step each."""
     import torch
 
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
 
     model = build(config_from_dict(TINY_LLAMA), "fp32", "eager", device="meta")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -135,8 +135,8 @@ def test_gpt2_prediction_matches_the_committed_h100_row():
     """openai-community/gpt2, B=4, L=512, amp-bf16, adamw_torch_fused (results/trainer/h100)."""
     import pandas as pd
 
-    from pipeline.configs import load_configs
-    from pipeline.simulate.trainer import predict_trainer_peak
+    from pipeline.inputs.configs import load_configs
+    from pipeline.simulate.trainer import trainer_peak
 
     peaks = pd.read_parquet(REPO / "results/trainer/h100/peak_memory.parquet")
     row = peaks[(peaks["model_id"] == "openai-community/gpt2") & (peaks["client"] == "trainer")
@@ -145,7 +145,7 @@ def test_gpt2_prediction_matches_the_committed_h100_row():
                 & ~peaks["gradient_checkpointing"]].iloc[0]
     assert row["peak_allocated_bytes"] == 4711264768
     config = load_configs(REPO / "results/configs.json")["openai-community/gpt2"].config
-    result = predict_trainer_peak(config, 4, 512, "amp-bf16", "adamw_torch_fused")
+    result = flat(trainer_peak(config, Run(4, 512, "amp-bf16", client="trainer", optim="adamw_torch_fused")))
     assert result["peak_bytes"] == 4708675584  # -0.055%
     assert abs(result["peak_bytes"] / row["peak_allocated_bytes"] - 1) < 0.005
     assert result["peak_phase"] == "backward"
@@ -154,10 +154,10 @@ def test_gpt2_prediction_matches_the_committed_h100_row():
 @pytest.mark.parametrize("kwargs,message", [(dict(optim="lion"), "optim"), (dict(precision="fp8"), "precision"),
                                             (dict(gradient_accumulation=0), "gradient_accumulation")])
 def test_bad_arguments_raise_user_error(kwargs, message):
-    from pipeline.simulate.trainer import predict_trainer_peak
+    from pipeline.simulate.trainer import trainer_peak
 
     with pytest.raises(UserError, match=message):
-        predict_trainer_peak(TINY_LLAMA, **dict(dict(batch_size=1, seq_len=8), **kwargs))
+        trainer_peak(TINY_LLAMA, Run(**dict(dict(batch=1, seq=8, precision="amp-bf16", client="trainer"), **kwargs)))
 
 
 def tied_head_backward(device: str, amp: bool, vocab: int, hidden: int = 1024, tokens: int = 16) -> float:
@@ -196,17 +196,17 @@ def test_tied_gradients_accumulate_in_place_as_on_cuda():
 
 def run_lora_trainer(device: str, precision: str, checkpointing: bool, spec) -> dict:
     """The Trainer on a LoRA PeftModel: on the CPU the GPU client's model (`apply_adapters` on a
-    built base with real weights), on meta `predict_trainer_peak`'s own."""
+    built base with real weights), on meta `trainer_peak`'s own."""
     import torch
 
-    from pipeline.adapters import apply_adapters
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
-    from pipeline.simulate.trainer import predict_trainer_peak, simulate_trainer
+    from pipeline.training.adapters import apply_adapters
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
+    from pipeline.simulate.trainer import trainer_peak, simulate_trainer
 
     if device == "meta":
-        return predict_trainer_peak(TINY_LLAMA, 2, 24, precision, "adamw_torch_fused", 1, checkpointing, "eager",
-                                    adapter=spec)
+        return flat(trainer_peak(TINY_LLAMA, Run(2, 24, precision, checkpointing=checkpointing, attn_implementation="eager", client="trainer",
+                                             optim="adamw_torch_fused", adapter=spec)))
     torch.manual_seed(0)
     model = apply_adapters(build(config_from_dict(TINY_LLAMA), precision, "eager", device="cpu"), spec, checkpointing)
     return simulate_trainer(model, 2, 24, precision, "adamw_torch_fused", 1, checkpointing, device_type="cpu")
@@ -218,7 +218,7 @@ def test_meta_trainer_with_lora_equals_real_cpu_trainer(precision, checkpointing
     """LoRA under the Trainer (its own PEFT handling, accelerate's autocast wrapper of the PeftModel):
     the meta device counts what a real CPU run of the same code counts, byte for byte; only the
     adapters get gradients and fused-AdamW state (two moments and a 0-dim fp32 step each)."""
-    from pipeline.adapters import AdapterSpec
+    from pipeline.training.adapters import AdapterSpec
 
     spec = AdapterSpec.make(8)
     real = run_lora_trainer("cpu", precision, checkpointing, spec)
@@ -237,15 +237,14 @@ def test_trainer_with_qlora_holds_the_loop_simulators_weights():
     """QLoRA under the Trainer (the GPU client reloads a saved base with bitsandbytes, which the CPU
     cannot run the same way): the meta run goes through, on the loop simulator's 4-bit PeftModel,
     with the same weights at its peak (packed NF4, absmax, code, fp32 upcasts) and adapters."""
-    from pipeline.adapters import AdapterSpec
-    from pipeline.simulate import predict_peak
-    from pipeline.simulate.trainer import predict_trainer_peak
+    from pipeline.training.adapters import AdapterSpec
+    from pipeline.simulate import loop_peak
+    from pipeline.simulate.trainer import trainer_peak
 
     spec = AdapterSpec.make(8, quantization="nf4")
-    trainer = predict_trainer_peak(TINY_LLAMA, 2, 24, "bf16", gradient_checkpointing=True,
-                                   attn_implementation="eager", adapter=spec)
-    loop = predict_peak(TINY_LLAMA, 2, 24, "bf16", gradient_checkpointing=True, attn_implementation="eager",
-                        adapter=spec)
+    trainer = flat(trainer_peak(TINY_LLAMA, Run(2, 24, "bf16", checkpointing=True, attn_implementation="eager",
+                                              client="trainer", adapter=spec)))
+    loop = flat(loop_peak(TINY_LLAMA, Run(2, 24, "bf16", checkpointing=True, attn_implementation="eager", adapter=spec)))
     assert trainer["components"]["parameters"] == loop["components"]["parameters"] == 397824
     assert trainer["trainable_parameters"] == loop["trainable_parameters"] == 17920
     # fused AdamW's step counters are on the device (28 adapters x 4 bytes); the loop's are on the host

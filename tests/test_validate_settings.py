@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
-from pipeline.paths import SETTINGS_TABLES
+from pipeline.core.paths import SETTINGS_TABLES
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory):
-    from pipeline.validate_settings import run_validate_settings
+    from pipeline.validate.settings import run_validate_settings
 
     out = tmp_path_factory.mktemp("settings")
     tables = {str(REPO / path): split for path, split in SETTINGS_TABLES.items()}

@@ -26,7 +26,7 @@ where CUDA's may not (bf16, and fp32 without grouped-query attention, use those 
 
 Modules: `points` (point sets, precisions, limits), `counts` (the two counts, one model's
 forwards and their fallback paths), `dispatch` (the meta and CPU dispatch modes; torch),
-`replay` (layer replay; the amp-bf16 forward uses CUDA's autocast policy of `pipeline.autocast`),
+`replay` (layer replay; the amp-bf16 forward uses CUDA's autocast policy of `pipeline.training.autocast`),
 `table` (one model's rows), `stage` (every registry model, worker processes), `one_model`
 (`count()`), `cli`. Importing this package imports no torch.
 """

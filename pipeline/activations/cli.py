@@ -6,9 +6,9 @@ import os
 import time
 
 from pipeline.activations.points import DEFAULT_POINTS, POINT_SETS, PRECISION_BYTES
-from pipeline.arguments import positive_int
-from pipeline.configs import CONFIG_SOURCES
-from pipeline.paths import ACTIVATIONS, CONFIGS, MODELS
+from pipeline.core.arguments import positive_int
+from pipeline.inputs.configs import CONFIG_SOURCES
+from pipeline.core.paths import ACTIVATIONS, CONFIGS, MODELS
 
 
 def add_cli(subparsers) -> None:

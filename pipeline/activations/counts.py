@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pipeline.activations.points import CPU_FORWARD_MAX_BYTES, FORWARD_SETTINGS
 from pipeline.activations.replay import Tally, replayed_layers
-from pipeline.modeling import architecture_facts, build_model
+from pipeline.inputs.modeling import architecture_facts, build_model
 
 
 def hook_elements(model, ids, replay: bool = False, tally: Tally | None = None) -> int:
@@ -51,7 +51,7 @@ def saved_storages(model, ids, autocast: bool = False, replay: bool = False,
     """
     import torch
 
-    from pipeline.autocast import CudaAutocast
+    from pipeline.training.autocast import CudaAutocast
 
     state = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
     storages = {}
@@ -195,7 +195,7 @@ class ModelCounter:
 
 
 def build_uninitialised(config, device: str, dtype: str):
-    """pipeline.modeling.build_model without initialising the weights (their values never matter
+    """pipeline.inputs.modeling.build_model without initialising the weights (their values never matter
     here; on meta this builds 2-5x faster), then tied as transformers' init_weights would tie them."""
     import torch
     from transformers.initialization import no_init_weights

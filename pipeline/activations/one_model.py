@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pipeline.activations.counts import ModelCounter, one_line, quiet_transformers
 from pipeline.activations.points import PRECISION_BYTES
-from pipeline.errors import UserError
-from pipeline.modeling import parameter_counts
-from pipeline.vocabulary import check_choice, check_positive_int
+from pipeline.core.errors import UserError
+from pipeline.inputs.modeling import parameter_counts
+from pipeline.core.vocabulary import check_choice, check_positive_int
 
 
 def count(model: str | None = None, config: str | None = None, dtype: str = "float32", batch: int | None = None,
@@ -16,7 +16,7 @@ def count(model: str | None = None, config: str | None = None, dtype: str = "flo
     `elements_per_token` / `bytes_per_token` are the blog's hook method at (1, 1); with `batch` and
     `seq`, also the bytes saved for backward per token in the standard step at (batch, seq).
     """
-    from pipeline.configs import resolve_model
+    from pipeline.inputs.configs import resolve_model
 
     check_choice("dtype", dtype, PRECISION_BYTES)
     if (batch is None) != (seq is None):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.vocabulary import ACTIVATION_BYTES, DTYPE_OF_PRECISION
+from pipeline.core.vocabulary import ACTIVATION_BYTES, DTYPE_OF_PRECISION
 
-# activations.parquet spells a precision by its dtype (pipeline.vocabulary); float16 is counted
+# activations.parquet spells a precision by its dtype (pipeline.core.vocabulary); float16 is counted
 # only on request (`count --dtype float16`), never by the stage. amp-fp16 saves what amp-bf16 saves
 # (the same element sizes), so the stage counts the three precisions it always has.
 COUNTED_PRECISIONS = ("fp32", "bf16", "amp-bf16")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from pipeline.inputs.modeling import decoder_layers
+
 
 @dataclass
 class Tally:
@@ -73,20 +75,6 @@ def replayed_layers(model, tally: Tally, enabled: bool = True, saved: dict | Non
                 layer.forward = own[id(layer)]  # a forward set on the instance (hooks of other tools)
             else:
                 del layer.forward  # the class's forward again
-
-
-def decoder_layers(model) -> list:
-    """The layers of the model's top-level ModuleLists of 3 or more (not experts inside a layer)."""
-    import torch
-
-    layers, inside = [], []
-    for name, module in model.named_modules():
-        if any(name.startswith(prefix) for prefix in inside):
-            continue
-        if isinstance(module, torch.nn.ModuleList) and len(module) >= 3:
-            layers.extend(module)
-            inside.append(name + ".")
-    return layers
 
 
 def records_layer_outputs(model) -> bool:

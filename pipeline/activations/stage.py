@@ -9,8 +9,8 @@ import time
 from pipeline.activations.counts import one_line, quiet_transformers
 from pipeline.activations.points import DEFAULT_POINTS, POINT_SETS, PointSet
 from pipeline.activations.table import ACTIVATION_COLUMNS, MODEL_COLUMNS, ModelJob, count_model
-from pipeline.errors import UserError
-from pipeline.vocabulary import check_choice
+from pipeline.core.errors import UserError
+from pipeline.core.vocabulary import check_choice
 
 
 _WORK: dict = {"jobs": [], "points": None}  # read by forked workers
@@ -18,8 +18,8 @@ _WORK: dict = {"jobs": [], "points": None}  # read by forked workers
 
 def read_jobs(registry_path, configs_path) -> list[ModelJob]:
     """One job per registry model, with the config the configs stage resolved (or why it has none)."""
-    from pipeline.configs import config_from_dict, read_config_records
-    from pipeline.registry import load_registry
+    from pipeline.inputs.configs import config_from_dict, read_config_records
+    from pipeline.inputs.registry import load_registry
 
     entries = load_registry(registry_path, check_model_types=False)
     records = read_config_records(configs_path)
@@ -67,7 +67,7 @@ def count_all(jobs: list[ModelJob], workers: int = 2, points: PointSet = POINT_S
 
     import pandas as pd
 
-    from pipeline.provenance import provenance
+    from pipeline.core.provenance import provenance
 
     quiet_transformers()
     gc.freeze()  # the imports' objects: out of every later collection, and shared copy-on-write by the workers
@@ -113,7 +113,7 @@ def _integer_columns(frame):
 def write_activations(registry_path, configs_path, models_out, activations_out, workers: int = 2,
                       model_ids: list[str] | None = None, points: str = DEFAULT_POINTS):
     """The stage: count every registry model and write both tables (each whole or not at all)."""
-    from pipeline.io import write_parquet
+    from pipeline.core.io import write_parquet
 
     jobs = read_jobs(registry_path, configs_path)
     if model_ids:

@@ -17,7 +17,7 @@ from pipeline.activations.points import (
     PointSet,
     skip_reason,
 )
-from pipeline.modeling import architecture_facts, parameter_counts, text_config
+from pipeline.inputs.modeling import architecture_facts, parameter_counts, text_config
 
 
 MODEL_COLUMNS = (

@@ -2,7 +2,7 @@
 
 One estimator object per method (`ESTIMATORS`), each with `predict(target, run) -> Estimate`:
 
-- `BlogEstimator`: the blog's formula and coefficients exactly as published (`pipeline.formulas`:
+- `BlogEstimator`: the blog's formula and coefficients exactly as published (`pipeline.formulas.components`:
   every term N*P, activations A*B*L*P with A in fp32 bytes). Its flaws are kept on purpose and
   listed in `BLOG_NOTES` (and in the JSON's "notes").
 - `HeuristicEstimator(coefficients)`: the same components with our refit coefficients
@@ -10,12 +10,12 @@ One estimator object per method (`ESTIMATORS`), each with `predict(target, run) 
   (`heuristic_peak`: gradients count in both branches), with the activations multiplier and the
   gradient-checkpointing factor measured from the peak table; precision-aware (amp-bf16) and
   optimizer-aware (SGD: one momentum buffer, no weight-sized temporaries).
-- `ExactEstimator`: the simulator `pipeline.simulate.predict_peak` on the model's config.
+- `ExactEstimator`: the simulator `pipeline.simulate.simulate` on the model's config.
 
 Every estimator also predicts the allocator's reserved bytes (`torch.cuda.max_memory_reserved()`):
 the exact one by replaying the caching allocator's segments, the closed forms as their peak times
 the measured reserved/allocated ratio of the coefficient file. The fit verdict is judged on them:
-reserved + the memory outside PyTorch (`pipeline.devices`) <= the device's nvidia-smi total.
+reserved + the memory outside PyTorch (`pipeline.formulas.gpus`) <= the device's nvidia-smi total.
 
 `max_batch_size` and `max_seq_len` give the largest batch (or sequence length) that fits a GPU, by
 one search for every estimator (the peak grows with both).
@@ -32,10 +32,10 @@ from pipeline.estimate.estimators import (ESTIMATORS, BlogEstimator, ClosedFormE
                                           FormulaEstimator, HeuristicEstimator)
 from pipeline.estimate.search import largest, largest_batch, largest_seq
 from pipeline.estimate.targets import resolve_target
-from pipeline.estimate.values import GIB, Estimate, Run, Target
-from pipeline.estimate.verdict import Verdict, judge, resolve_device
+from pipeline.training.values import GIB, Estimate, Run, Target
+from pipeline.estimate.verdict import Verdict, judge, gpu_of
 
 __all__ = ["ESTIMATORS", "GIB", "BlogEstimator", "ClosedFormEstimator", "Estimate", "Estimator", "ExactEstimator",
            "FormulaEstimator", "HeuristicEstimator", "Run", "Target", "Verdict", "add_cli", "answer", "estimate",
            "human_summary", "judge", "largest", "largest_batch", "largest_seq", "max_batch_size", "max_seq_len",
-           "prepare", "resolve_device", "resolve_target"]
+           "prepare", "gpu_of", "resolve_target"]

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from pipeline.adapters import adapter_from_options
-from pipeline.devices import Device
+from pipeline.training.adapters import adapter_from_options
+from pipeline.formulas.gpus import Device
 from pipeline.estimate.estimators import ESTIMATORS, Estimator
 from pipeline.estimate.search import largest_batch, largest_seq
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 from pipeline.estimate.targets import resolve_target
 from pipeline.estimate.training_args import read_training_args
-from pipeline.estimate.values import GIB, Run, Target
-from pipeline.estimate.verdict import judge, limited, required_device, resolve_device
-from pipeline.vocabulary import METHODS, check_choice
+from pipeline.training.values import GIB, Run, Target
+from pipeline.estimate.verdict import judge, limited, required_device, gpu_of
+from pipeline.core.vocabulary import METHODS, check_choice
 
 
 def prepare(method, coefficients, model=None, config=None, params=None, active_params=None):
@@ -58,7 +58,7 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq, precision
     Give one of `model` (registry or Hub id), `config` (config.json path, its dict, or a
     transformers config) or `params` (N; blog and heuristic only; with `active_params` for a MoE
     model, else it counts as dense). `coefficients` is a path or a loaded coefficient dict (default:
-    results/coefficients.json). With `gpu` (a catalogue name, `pipeline.devices.DEVICES`) or
+    results/coefficients.json). With `gpu` (a catalogue name, `pipeline.formulas.gpus.DEVICES`) or
     `gpu_memory_gib` (nvidia-smi's total in GiB) the answer says whether it fits ("fits",
     "headroom_bytes"), judged on the reserved bytes plus the memory outside PyTorch;
     `expandable_segments` replays PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
@@ -77,7 +77,7 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq, precision
     run, notes = make_run(batch, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
                           client, optim, gradient_accumulation, training_args, num_gpus, sharding,
                           adapter_from_options(lora_r, lora_alpha, lora_targets, quantization, peft_config))
-    dev = resolve_device(gpu, gpu_memory_gib)
+    dev = gpu_of(gpu, gpu_memory_gib)
     estimator, target, run = for_device(method, coefficients, (model, config, params, active_params), run, dev)
     return with_notes(answer(estimator, target, run, dev), notes)
 

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import json
 
-from pipeline.devices import DEVICES
-from pipeline.errors import UserError
+from pipeline.formulas.gpus import DEVICES
+from pipeline.core.errors import UserError
 from pipeline.estimate.api import answer, for_device, make_run, with_notes
 from pipeline.estimate.search import largest_batch, largest_seq
-from pipeline.estimate.values import GIB
-from pipeline.estimate.verdict import resolve_device
-from pipeline.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, SHARDINGS
+from pipeline.training.values import GIB
+from pipeline.estimate.verdict import gpu_of
+from pipeline.core.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, SHARDINGS
 
 
 def add_cli(subparsers) -> None:
-    from pipeline.adapters import add_adapter_arguments
-    from pipeline.arguments import positive_int
-    from pipeline.paths import DEFAULT_COEFFICIENTS
+    from pipeline.training.adapters import add_adapter_arguments
+    from pipeline.core.arguments import positive_int
+    from pipeline.core.paths import DEFAULT_COEFFICIENTS
 
     parser = subparsers.add_parser("estimate", help="estimate the peak memory of a training step")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -61,7 +61,7 @@ def add_cli(subparsers) -> None:
 
 
 def _estimate_command(args) -> int:
-    from pipeline.adapters import adapter_from_arguments
+    from pipeline.training.adapters import adapter_from_arguments
 
     searching = "--max-batch-size" if args.max_batch_size else "--max-seq-len" if args.max_seq_len else None
     if searching and args.gpu is None and args.gpu_memory is None:
@@ -73,7 +73,7 @@ def _estimate_command(args) -> int:
                           args.attn_implementation, args.expandable_segments, args.client, args.optim,
                           args.gradient_accumulation, args.training_args, args.num_gpus, args.sharding,
                           adapter_from_arguments(args))
-    dev = resolve_device(args.gpu, args.gpu_memory)
+    dev = gpu_of(args.gpu, args.gpu_memory)
     estimator, target, run = for_device(args.method, args.coefficients,
                                         (args.model, args.config, args.params, args.active_params), run, dev)
     if args.max_batch_size:

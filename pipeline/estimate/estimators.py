@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.coefficients import reserved_ratio, resolve_coefficients
-from pipeline.errors import UserError
-from pipeline.estimate.values import Estimate, Run, Target
-from pipeline.formulas import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, BLOG_NOTES, BLOG_P, OUTSIDE_MAX,
+from pipeline.formulas.coefficients import reserved_ratio, resolve_coefficients
+from pipeline.core.errors import UserError
+from pipeline.core.vocabulary import METHODS
+from pipeline.training.values import Estimate, Run, Target
+from pipeline.formulas.components import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, BLOG_NOTES, BLOG_P, OUTSIDE_MAX,
                                PEAK_FORMULAS, blog_a_bytes, blog_components, blog_peak, heuristic_peak,
                                shard_components, training_components)
 
@@ -52,8 +53,8 @@ class ClosedFormEstimator(Estimator):
             return components
         if target.config is None:
             raise UserError("LoRA needs the model's shape (--model or --config): the adapters' size follows it")
-        from pipeline.adapter_terms import adapter_components
-        from pipeline.features import read_facts
+        from pipeline.formulas.adapter_terms import adapter_components
+        from pipeline.formulas.features import read_facts
 
         spec = run.adapter
         return adapter_components(components, read_facts(config_dict(target.config)), target.parameters,
@@ -162,14 +163,17 @@ class ExactEstimator(Estimator):
     needs_config = True
 
     def predict(self, target: Target, run: Run) -> Estimate:
-        result = exact_peak(target.config, run)
-        simulator = ("predict_distributed_peak (DDP / FSDP2 with a fake process group of num_gpus ranks)"
-                     if run.sharding else "predict_trainer_peak (transformers.Trainer run on the meta device)"
-                     if run.client == "trainer" else "predict_peak")
-        return Estimate(float(result["peak_bytes"]), result.get("components"), {
-            "activations_per_token": None, "activations_per_token_unit": None, "peak_phase": result.get("peak_phase"),
+        from pipeline.simulate import simulate
+
+        simulated = simulate(target.config, run)
+        simulator = ("distributed_peak (DDP / FSDP2 with a fake process group of num_gpus ranks)"
+                     if run.sharding else "trainer_peak (transformers.Trainer run on the meta device)"
+                     if run.client == "trainer" else "loop_peak")
+        return Estimate(simulated.peak_bytes, simulated.components, {
+            "activations_per_token": None, "activations_per_token_unit": None,
+            "peak_phase": simulated.details.get("peak_phase"),
             "notes": [f"simulated by pipeline.simulate.{simulator} (reserved: the caching allocator's "
-                      "segments replayed)"]}, result["peak_reserved_bytes"], result["peak_reserved_expandable_bytes"])
+                      "segments replayed)"]}, simulated.reserved_bytes, simulated.reserved_expandable_bytes)
 
 
 class FormulaEstimator(FittedEstimator):
@@ -180,10 +184,10 @@ class FormulaEstimator(FittedEstimator):
     reads_facts_only = True
 
     def predict(self, target: Target, run: Run) -> Estimate:
-        from pipeline.adapter_terms import activation_precision, lora_saved_bytes_per_token
-        from pipeline.features import read_facts
-        from pipeline.formula_peak import peak_group, peak_of, predict_peak
-        from pipeline.hook_features import hook_feature_values
+        from pipeline.formulas.adapter_terms import activation_precision, lora_saved_bytes_per_token
+        from pipeline.formulas.features import read_facts
+        from pipeline.formulas.peak import closed_form_peak, peak_group, peak_of
+        from pipeline.formulas.hook_features import hook_feature_values
 
         section = self.coefficients["activation_formula"]
         config = config_dict(target.config)
@@ -192,7 +196,7 @@ class FormulaEstimator(FittedEstimator):
         group = peak_group(precision, run.checkpointing)
         if group not in section["peak"]:
             raise UserError(f"method 'formula': the coefficient file has no peak fit for {group}")
-        result = predict_peak(section["peak"], facts, target.parameters, run.batch, run.seq, precision,
+        result = closed_form_peak(section["peak"], facts, target.parameters, run.batch, run.seq, precision,
                               run.optimizer_key, run.checkpointing, run.attn_implementation)
         if run.adapter is not None:
             spec = run.adapter
@@ -212,31 +216,11 @@ class FormulaEstimator(FittedEstimator):
                       "term on measured H200 peaks"]}))
 
 
-ESTIMATORS = {"blog": BlogEstimator, "heuristic": HeuristicEstimator, "exact": ExactEstimator,
-              "formula": FormulaEstimator}  # by METHODS
+ESTIMATORS = {estimator.name: estimator for estimator in (BlogEstimator, HeuristicEstimator, FormulaEstimator,
+                                                           ExactEstimator)}
+assert tuple(ESTIMATORS) == METHODS
 
 
 def config_dict(config) -> dict:
     """A config.json dict from a dict or a transformers config."""
     return config if isinstance(config, dict) else config.to_dict()
-
-
-def exact_peak(config, run: Run) -> dict:
-    """The simulator's prediction for the run's client (`predict_peak` or `predict_trainer_peak`)."""
-    if run.sharding is not None:
-        from pipeline.simulate.distributed import predict_distributed_peak
-
-        return predict_distributed_peak(config, run.batch, run.seq, run.precision, run.num_gpus, run.sharding,
-                                        run.checkpointing, run.optimizer, run.attn_implementation)
-    if run.client == "trainer":
-        from pipeline.simulate.trainer import predict_trainer_peak
-
-        return predict_trainer_peak(config, run.batch, run.seq, run.precision, run.optim, run.gradient_accumulation,
-                                    run.checkpointing, run.attn_implementation, adapter=run.adapter,
-                                    reserve_limit=run.reserve_limit)
-    from pipeline.simulate import predict_peak
-
-    return predict_peak(config, batch_size=run.batch, seq_len=run.seq, precision=run.precision,
-                        optimizer=run.optimizer, gradient_checkpointing=run.checkpointing,
-                        attn_implementation=run.attn_implementation, adapter=run.adapter,
-                        reserve_limit=run.reserve_limit)

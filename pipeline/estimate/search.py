@@ -3,9 +3,9 @@ peak grows with both)."""
 
 from __future__ import annotations
 
-from pipeline.devices import Device, outside_bytes
+from pipeline.formulas.gpus import Device, outside_bytes
 from pipeline.estimate.estimators import ClosedFormEstimator, Estimator
-from pipeline.estimate.values import Run, Target
+from pipeline.training.values import Run, Target
 from pipeline.estimate.verdict import judge
 
 BATCH_LIMIT = 2**24  # the search for the largest batch stops doubling here
@@ -28,7 +28,7 @@ def largest_batch(estimator: Estimator, target: Target, run: Run, dev: Device, l
 
 def largest_seq(estimator: Estimator, target: Target, run: Run, dev: Device) -> int:
     """The largest L that fits `dev` (0: none), at most the model's context length when known."""
-    from pipeline.modeling import context_length
+    from pipeline.inputs.modeling import context_length
 
     limit = (context_length(target.config) if target.config is not None else None) or SEQ_LIMIT
     return largest(lambda seq: fits(estimator, target, run.with_seq(seq), dev), limit, None, exact_limit=True)

@@ -6,19 +6,19 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pipeline.configs import read_config_file
-from pipeline.errors import UserError
+from pipeline.inputs.configs import read_config_file
+from pipeline.core.errors import UserError
 from pipeline.estimate.estimators import ESTIMATORS, config_dict
-from pipeline.estimate.values import Target
+from pipeline.training.values import Target
 
 
 def formula_target(model=None, config=None) -> Target:
     """The target of the formula: config facts and N in closed form, without building (or importing) a model."""
-    from pipeline.features import parameter_count, read_facts
+    from pipeline.formulas.features import parameter_count, read_facts
 
     if model is not None:
-        from pipeline.configs import read_config_records
-        from pipeline.paths import CONFIGS
+        from pipeline.inputs.configs import read_config_records
+        from pipeline.core.paths import CONFIGS
 
         record = read_config_records(CONFIGS).get(model) if Path(CONFIGS).is_file() else None
         if not record or record.get("status") != "ok":
@@ -39,8 +39,8 @@ def formula_target(model=None, config=None) -> Target:
 
 def resolve_config(model=None, config=None):
     """(model id, transformers config) from a model id, a config.json path, a dict of its facts, or a config."""
-    from pipeline.configs import config_from_dict, resolve_model
-    from pipeline.registry import check_shape_facts
+    from pipeline.inputs.configs import config_from_dict, resolve_model
+    from pipeline.inputs.registry import check_shape_facts
 
     if model is not None and config is not None:
         raise UserError("give one of model and config, not both")
@@ -60,7 +60,7 @@ def resolve_config(model=None, config=None):
 
 def count_parameters(config) -> tuple[int, int]:
     """(N, parameters active per token) of the model built from its config on the meta device."""
-    from pipeline.modeling import build_model, parameter_counts
+    from pipeline.inputs.modeling import build_model, parameter_counts
 
     try:
         counts = parameter_counts(build_model(config, "meta"), config)

@@ -5,8 +5,8 @@ checkpointing and optim. Read as JSON, without transformers: the formula stays t
 from __future__ import annotations
 
 
-from pipeline.errors import UserError
-from pipeline.io import read_json_object
+from pipeline.core.errors import UserError
+from pipeline.core.io import read_json_object
 
 # Arguments that change memory in ways no estimator models: named in the answer's notes.
 UNMODELLED = {

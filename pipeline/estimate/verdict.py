@@ -1,14 +1,14 @@
 """The fit verdict: a step fits a device when its reserved bytes plus the memory outside PyTorch
-(`pipeline.devices`) are at most the device's nvidia-smi total."""
+(`pipeline.formulas.gpus`) are at most the device's nvidia-smi total."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 
-from pipeline.devices import DEVICES, Device, custom_device, device, outside_bytes
-from pipeline.errors import UserError
-from pipeline.estimate.values import GIB, Estimate, Run
+from pipeline.formulas.gpus import DEVICES, Device, custom_device, device, outside_bytes
+from pipeline.core.errors import UserError
+from pipeline.training.values import GIB, Estimate, Run
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def limited(run: Run, dev: Device | None) -> Run:
     return replace(run, reserve_limit=dev.total_bytes - outside_bytes(dev, run.precision, run.attn_implementation))
 
 
-def resolve_device(gpu=None, gpu_memory_gib=None) -> Device | None:
+def gpu_of(gpu=None, gpu_memory_gib=None) -> Device | None:
     """The device of the fit verdict: a catalogue name or an nvidia-smi total in GiB (not both)."""
     if gpu is not None and gpu_memory_gib is not None:
         raise UserError("give one of gpu and gpu_memory_gib, not both")
@@ -59,7 +59,7 @@ def resolve_device(gpu=None, gpu_memory_gib=None) -> Device | None:
 
 
 def required_device(gpu, gpu_memory_gib) -> Device:
-    dev = resolve_device(gpu, gpu_memory_gib)
+    dev = gpu_of(gpu, gpu_memory_gib)
     if dev is None:
         raise UserError("give the GPU: gpu (a name) or gpu_memory_gib")
     return dev

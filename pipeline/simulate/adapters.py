@@ -1,4 +1,4 @@
-"""LoRA and QLoRA under the simulator: PEFT's own wrapping (`pipeline.adapters.apply_adapters`) of a
+"""LoRA and QLoRA under the simulator: PEFT's own wrapping (`pipeline.training.adapters.apply_adapters`) of a
 meta model of its own (the shared meta model cache stays unwrapped: PEFT wraps modules in place).
 
 LoRA: a meta model built for it (as the cache builds its own), then peft.get_peft_model; frozen weights get no
@@ -27,11 +27,11 @@ from __future__ import annotations
 import functools
 import json
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
 
 def check_adapter(adapter, variant: str) -> None:
-    from pipeline.adapters import AdapterSpec
+    from pipeline.training.adapters import AdapterSpec
 
     if not isinstance(adapter, AdapterSpec):
         raise UserError(f"adapter must be an AdapterSpec, not {type(adapter).__name__}")
@@ -45,9 +45,9 @@ def check_adapter(adapter, variant: str) -> None:
 def cached_adapter_model(config_json: str, precision: str, attn_implementation: str | None, adapter,
                          gradient_checkpointing: bool):
     """The PeftModel on the meta device, built once per (config, precision, attention, adapter, checkpointing)."""
-    from pipeline.adapters import apply_adapters
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
+    from pipeline.training.adapters import apply_adapters
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
 
     config = config_from_dict(json.loads(config_json))
     try:
@@ -61,7 +61,7 @@ def cached_adapter_model(config_json: str, precision: str, attn_implementation: 
 
 
 def quantization_config(adapter):
-    from pipeline.adapters import quantization_config as make
+    from pipeline.training.adapters import quantization_config as make
 
     return make(adapter)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from pipeline.paths import CONFIGS, PEAKS, SIMULATED
-from pipeline.arguments import positive_int
+from pipeline.core.paths import CONFIGS, PEAKS, SIMULATED
+from pipeline.core.arguments import positive_int
 from pipeline.simulate.predict import ATTENTIONS
-from pipeline.vocabulary import OPTIMIZERS, PRECISIONS, VARIANTS
+from pipeline.core.vocabulary import OPTIMIZERS, PRECISIONS, VARIANTS
 
 
 def add_cli(subparsers) -> None:
@@ -25,7 +25,7 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--configs", default=CONFIGS,
                         help="output of `pipeline configs`, looked up first for --model")
     parser.add_argument("--json", action="store_true")
-    from pipeline.adapters import add_adapter_arguments
+    from pipeline.training.adapters import add_adapter_arguments
 
     add_adapter_arguments(parser)
     parser.set_defaults(handler=_simulate_command)
@@ -39,14 +39,19 @@ def add_cli(subparsers) -> None:
 
 
 def _simulate_command(args) -> int:
-    from pipeline.adapters import adapter_from_arguments
-    from pipeline.simulate.predict import predict_peak
+    from pipeline.simulate.predict import loop_peak
+    from pipeline.training.adapters import adapter_from_arguments
+    from pipeline.training.values import Run
 
     adapter = adapter_from_arguments(args)
     resolved = _resolve(args.model, args.config, args.configs)
-    result = predict_peak(resolved.config, args.batch, args.seq, args.precision, args.optimizer,
-                          args.checkpointing, args.attn_implementation, args.variant, adapter)
-    result.update(model_id=resolved.model_id, config_source=resolved.source, config_revision=resolved.revision)
+    attention = None if args.attn_implementation == "default" else args.attn_implementation
+    estimate = loop_peak(resolved.config, Run(args.batch, args.seq, args.precision, args.optimizer, args.checkpointing,
+                                              attention, adapter=adapter, variant=args.variant))
+    result = {"peak_bytes": estimate.peak_bytes, "components": estimate.components,
+              "peak_reserved_bytes": estimate.reserved_bytes,
+              "peak_reserved_expandable_bytes": estimate.reserved_expandable_bytes, **estimate.details,
+              "model_id": resolved.model_id, "config_source": resolved.source, "config_revision": resolved.revision}
     if args.json:
         print(json.dumps(result))
     else:
@@ -61,7 +66,7 @@ def _resolve(model_id, config_path, configs_path):
     """--config PATH, or --model ID from configs.json when it has it, else the registry or the Hub."""
     from pathlib import Path
 
-    from pipeline.configs import resolve_model, resolved_from_record
+    from pipeline.inputs.configs import resolve_model, resolved_from_record
     from pipeline.simulate.peaks import ok_config_records
 
     if model_id and not config_path and Path(configs_path).exists():

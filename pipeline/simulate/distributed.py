@@ -1,4 +1,4 @@
-"""`predict_distributed_peak`: the per-GPU (rank 0) peak of the standard training step under DDP or
+"""`distributed_peak`: the per-GPU (rank 0) peak of the standard training step under DDP or
 FSDP2 on N GPUs, without GPUs and without weights.
 
 The real torch sharding code runs on the model built on the meta device, in one process, with a
@@ -20,48 +20,47 @@ from __future__ import annotations
 
 import time
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
-from pipeline.vocabulary import SHARDINGS
+from pipeline.core.vocabulary import SHARDINGS
+from pipeline.training.values import Estimate, Run
 
 
-def predict_distributed_peak(config, batch_size: int, seq_len: int, precision: str = "fp32", num_gpus: int = 2,
-                             sharding: str = "fsdp", gradient_checkpointing: bool = False, optimizer: str = "adamw",
-                             attn_implementation: str | None = None) -> dict:
-    """Predicted `torch.cuda.max_memory_allocated()` of rank 0 of `num_gpus` in the standard step
-    with `batch_size` sequences per GPU, under `sharding` (ddp, fsdp, fsdp-no-reshard).
+def distributed_peak(config, run: Run) -> Estimate:
+    """Predicted `torch.cuda.max_memory_allocated()` of rank 0 of `run.num_gpus` in the standard step
+    with `run.batch` sequences per GPU, under `run.sharding` (ddp, fsdp, fsdp-no-reshard).
 
-    Returns peak_bytes, components (bytes by role at the peak: parameters (this rank's shards),
+    Answers the peak, its components (bytes by role at the peak: parameters (this rank's shards),
     unsharded_parameters, all_gather, reduce_scatter, ddp_buckets, gradients, optimizer_state,
-    optimizer_intermediates, activations), peak_phase, phase_peaks, phase_components (the roles at
-    each phase's peak), peak_reserved_bytes, peak_reserved_expandable_bytes (one-stream replays of
-    the caching allocator: FSDP2's own streams on CUDA are not replayed), num_gpus, sharding and
-    seconds. amp-fp16 (its gradient scaler) is refused.
+    optimizer_intermediates, activations), the reserved bytes (one-stream replays of the caching
+    allocator: FSDP2's own streams on CUDA are not replayed) and, in details, peak_phase,
+    phase_peaks, phase_components (the roles at each phase's peak), num_gpus, sharding and seconds.
+    amp-fp16 (its gradient scaler) is refused.
     """
-    from pipeline.modeling import build
+    from pipeline.inputs.modeling import build
     from pipeline.simulate.distributed_step import simulate_sharded_step
     from pipeline.simulate.distributed_world import fake_world, meta_fsdp
-    from pipeline.simulate.predict import _as_config, _attention, check_inputs, first_line
+    from pipeline.simulate.predict import as_config, check_loop, estimate_of, first_line, meta_attention
 
     start = time.perf_counter()
-    check_inputs(batch_size, seq_len, precision, optimizer, gradient_checkpointing, attn_implementation, "standard")
-    check_sharding(num_gpus, sharding)
-    if precision == "amp-fp16":
+    check_loop(run)
+    check_sharding(run.num_gpus, run.sharding)
+    if run.precision == "amp-fp16":
         raise UserError("amp-fp16 (a gradient scaler over sharded gradients) is not simulated under ddp or fsdp yet")
-    config = _as_config(config)
+    config = as_config(config)
     try:
-        model = build(config, precision, _attention(attn_implementation) or "default", device="meta")
+        model = build(config, run.precision, meta_attention(run.attn_implementation) or "default", device="meta")
     except Exception as exc:  # noqa: BLE001 - transformers rejects some configs / attention choices
         raise UserError(f"the model cannot be built from this config: {first_line(exc)}") from None
-    with fake_world(num_gpus) as mesh, meta_fsdp():
-        result = simulate_sharded_step(model, sharding, mesh, batch_size, seq_len, precision, optimizer,
-                                       gradient_checkpointing, device_type="meta")
-    result.update(num_gpus=num_gpus, sharding=sharding, seconds=time.perf_counter() - start)
-    return result
+    with fake_world(run.num_gpus) as mesh, meta_fsdp():
+        result = simulate_sharded_step(model, run.sharding, mesh, run.batch, run.seq, run.precision, run.optimizer,
+                                       run.checkpointing, device_type="meta")
+    result.update(num_gpus=run.num_gpus, sharding=run.sharding)
+    return estimate_of(result, start)
 
 
 def check_sharding(num_gpus, sharding) -> None:
-    from pipeline.vocabulary import check_choice, check_positive_int
+    from pipeline.core.vocabulary import check_choice, check_positive_int
 
     check_positive_int("num_gpus", num_gpus)
     check_choice("sharding", sharding, SHARDINGS)

@@ -1,7 +1,7 @@
 """The CPU check of the sharded simulation: a real multi-process run on the CPU.
 
 `run_cpu_check` starts N processes (torch.multiprocessing, the gloo backend), each builds the
-model with random weights on the CPU, shards it (`distributed_world.shard`, the same call as the
+model with random weights on the CPU, shards it (`pipeline.training.sharding.shard`, the same call as the
 simulation) and runs the standard step three times under the same live-byte tracker as the
 simulator, in `device_type="cpu"` mode (`distributed_step.simulate_sharded_step`). Rank 0's
 result is returned; the simulation (`predict_distributed_peak`, one process, fake process
@@ -34,8 +34,8 @@ def run_cpu_check(config: dict, num_gpus: int, shardings=("ddp", "fsdp"), batch_
     processes runs every sharding in turn, each on a freshly built model."""
     import torch.multiprocessing as mp
 
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
 
     build(config_from_dict(config), precision, attn_implementation, device="meta")  # imports, before the fork
     with tempfile.TemporaryDirectory() as directory:
@@ -85,8 +85,8 @@ def _worker(rank: int, world_size: int, port: int, config: dict, shardings: list
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
     from pipeline.simulate.distributed_step import simulate_sharded_step
 
     torch.set_num_threads(1)

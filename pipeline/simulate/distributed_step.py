@@ -1,7 +1,7 @@
 """The standard training step of one rank under DDP or FSDP2, run under the live-byte tracker.
 
-The model is sharded by torch's own code (`distributed_world.shard`) and the loop is the standard
-one (`pipeline.step`): AdamW (foreach, CUDA's default) over the module's parameters (the sharded
+The model is sharded by torch's own code (`pipeline.training.sharding.shard`) and the loop is the standard
+one (`pipeline.training.step`): AdamW (foreach, CUDA's default) over the module's parameters (the sharded
 DTensors under FSDP2), `loss = model(input_ids=ids, labels=ids).loss; loss.backward(); opt.step();
 opt.zero_grad(set_to_none=True)`, three times. The three steps are all run (not one step and the
 optimizer state added, as the single-GPU simulator does): DDP rebuilds its buckets in the second
@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 
 from pipeline.simulate.allocator import CachingAllocator, ExpandableSegments, Fanout
-from pipeline.step import STEPS, Setting, make_optimizer, set_training_mode, token_ids, training_loss, zero_grad
+from pipeline.training.step import STEPS, Setting, make_optimizer, set_training_mode, token_ids, training_loss, zero_grad
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -35,7 +35,7 @@ def simulate_sharded_step(model, sharding: str, mesh, batch_size: int, seq_len: 
     import torch
 
     from pipeline.simulate.distributed_tracker import ShardedTracker, host_copy_stand_ins
-    from pipeline.simulate.distributed_world import shard
+    from pipeline.training.sharding import shard
     from pipeline.simulate.kernels import CUBLAS_WORKSPACES, host_outputs, workspace_rules
     from pipeline.simulate.rules import KernelRules
     from pipeline.simulate.stand_ins import UniformValues, scalar_stand_ins

@@ -16,18 +16,14 @@ changes: which buffers exist, their sizes and when they are freed are torch's. T
 FakeTensorMode over a CPU mesh, would leave the simulator's meta-device machinery (answered
 `.item()`, the output cache, CUDA's kernel rules) behind.
 
-`shard(model, sharding, mesh)`: `fully_shard` on each decoder layer (transformers'
-`_no_split_modules` classes) and on the root, `reshard_after_forward` true (`fsdp`) or false
-(`fsdp-no-reshard`); or `DistributedDataParallel` with its defaults (`ddp`). The same function
-shards the CPU check's real multi-process run.
+The model is sharded by `pipeline.training.sharding.shard`, the call the GPU measurement makes.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from pipeline.errors import UserError
-
+from pipeline.core.errors import UserError
 
 
 @contextlib.contextmanager
@@ -71,62 +67,3 @@ def meta_fsdp():
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
-
-
-def decoder_layers(model) -> list:
-    """The model's decoder layers: instances of its `_no_split_modules` classes (the modules that
-    transformers keeps whole on one device), outermost only."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers, inside = [], set()
-    for module in model.modules():
-        if id(module) in inside:
-            continue
-        if type(module).__name__ in names:
-            layers.append(module)
-            inside.update(id(m) for m in module.modules())
-    return layers
-
-
-def shard(model, sharding: str, mesh=None, device_ids=None, fake: bool = False):
-    """`model` under `sharding` (see the module docstring); returns the module to call. `fake`:
-    the process group is the fake one (DDP then gets `fake_allreduce_hook`)."""
-    if sharding == "ddp":
-        import torch.nn.parallel.distributed as ddp
-
-        # DDP's check that all ranks hold the same shapes reads an all-gathered tensor's values,
-        # which meta tensors have not; it is skipped in both runs (the real CPU check's too), so
-        # that they allocate alike. It allocates a few int64 per parameter and frees them at once.
-        verify = ddp._verify_param_shape_across_processes
-        ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
-        try:
-            module = ddp.DistributedDataParallel(model, device_ids=device_ids)
-        finally:
-            ddp._verify_param_shape_across_processes = verify
-        if fake:
-            module.register_comm_hook(None, fake_allreduce_hook)
-        return module
-    from torch.distributed.fsdp import fully_shard
-
-    reshard = sharding == "fsdp"
-    layers = decoder_layers(model)
-    if not layers:
-        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules)")
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    return model
-
-
-def fake_allreduce_hook(state, bucket):
-    """DDP's default bucket all-reduce for the fake process group, whose futures hold no value: the
-    same in-place all-reduce of the bucket, answered with the bucket. The default divides the
-    gradients by N while copying them into the bucket (`mul_out`), this hook copies them: neither
-    allocates."""
-    import torch
-    import torch.distributed as dist
-
-    buffer = bucket.buffer()
-    dist.all_reduce(buffer)
-    future = torch.futures.Future()
-    future.set_result(buffer)
-    return future

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import functools
 
-from pipeline.paths import CONFIGS, PEAKS, SIMULATED
-from pipeline.errors import UserError
-from pipeline.simulate.predict import first_line, predict_peak
-from pipeline.sweep.parts import with_client_columns_frame
-from pipeline.vocabulary import POINT_KEY
+from pipeline.core.paths import CONFIGS, PEAKS, SIMULATED
+from pipeline.core.errors import UserError
+from pipeline.simulate.api import simulate
+from pipeline.simulate.predict import first_line
+from pipeline.training.values import Run
+from pipeline.training.points import POINT_KEY, read_peaks
 
 SIMULATED_COLUMNS = ("simulated_peak_bytes", "simulated_forward_peak_bytes", "simulated_backward_peak_bytes",
                      "simulated_optimizer_peak_bytes", "simulated_saved_bytes", "simulated_optimizer_state_bytes",
@@ -24,10 +25,10 @@ def simulate_peaks(peaks_path=PEAKS, configs_path=CONFIGS, out_path=SIMULATED, w
     """
     import pandas as pd
 
-    from pipeline.io import write_parquet
-    from pipeline.provenance import provenance
+    from pipeline.core.io import write_parquet
+    from pipeline.core.provenance import provenance
 
-    peaks = with_client_columns_frame(_read_table(peaks_path))  # a table from before the client columns
+    peaks = read_peaks(peaks_path)
     configs = ok_config_records(configs_path)
     keys = list(POINT_KEY)
     missing = [k for k in keys + ["status"] if k not in peaks.columns]
@@ -50,7 +51,7 @@ def simulate_peaks(peaks_path=PEAKS, configs_path=CONFIGS, out_path=SIMULATED, w
 def ok_config_records(path) -> dict:
     """configs.json's ok records by model id (each model's config is parsed when it is used, so
     that one bad config does not stop the others)."""
-    from pipeline.configs import read_config_records
+    from pipeline.inputs.configs import read_config_records
 
     return {model_id: r for model_id, r in read_config_records(path).items()
             if isinstance(r, dict) and r.get("status") == "ok"}
@@ -69,45 +70,19 @@ def _map(function, items: list, workers: int) -> list:
         return pool.map(function, items, chunksize=1)
 
 
-def _read_table(path):
-    import pandas as pd
-
-    try:
-        return pd.read_parquet(path)
-    except FileNotFoundError:
-        raise UserError(f"{path}: peak table not found") from None
-    except Exception as exc:  # noqa: BLE001 - not a parquet file
-        raise UserError(f"{path}: not a readable parquet table ({type(exc).__name__})") from None
-
-
-def point_adapter(point: dict):
-    """The AdapterSpec of a point with adapters (lora_r set); alpha changes no memory (default 2r)."""
-    import pandas as pd
-
-    if point.get("lora_r") is None or pd.isna(point.get("lora_r")):
-        return None
-    from pipeline.adapters import AdapterSpec
-
-    quantization = point.get("quantization")
-    return AdapterSpec.make(int(point["lora_r"]), None, point["lora_targets"],
-                            None if quantization is None or pd.isna(quantization) else quantization)
-
-
 def _simulate_row(point: dict, configs: dict) -> dict:
     row = dict.fromkeys(SIMULATED_COLUMNS)
     record = configs.get(point["model_id"])
     if record is None:
         return dict(row, simulate_status="skipped", simulate_reason="no config in the configs file")
     try:
-        result = predict_peak(record["config"], int(point["batch_size"]), int(point["seq_len"]), point["precision"],
-                              point["optimizer"], bool(point["gradient_checkpointing"]),
-                              point["attn_implementation"], point["variant"], point_adapter(point))
+        result = simulate(record["config"], Run.from_row(point))
     except Exception as exc:  # noqa: BLE001 - one failing model becomes a row with its reason
         return dict(row, simulate_status="error", simulate_reason=first_line(exc))
-    phases = result["phase_peaks"]
-    return dict(row, simulated_peak_bytes=result["peak_bytes"], simulated_forward_peak_bytes=phases["forward"],
+    details = result.details
+    phases = details["phase_peaks"]
+    return dict(row, simulated_peak_bytes=result.peak_bytes, simulated_forward_peak_bytes=phases["forward"],
                 simulated_backward_peak_bytes=phases["backward"], simulated_optimizer_peak_bytes=phases["optimizer"],
-                simulated_saved_bytes=result["saved_bytes"],
-                simulated_optimizer_state_bytes=result["optimizer_state_bytes"],
-                simulated_peak_phase=result["peak_phase"], simulate_status="ok", simulate_seconds=result["seconds"],
-                simulated_peak_reserved_bytes=result["peak_reserved_bytes"])
+                simulated_saved_bytes=details["saved_bytes"], simulated_optimizer_state_bytes=details["optimizer_state_bytes"],
+                simulated_peak_phase=details["peak_phase"], simulate_status="ok", simulate_seconds=details["seconds"],
+                simulated_peak_reserved_bytes=result.reserved_bytes)

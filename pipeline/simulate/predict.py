@@ -1,5 +1,6 @@
-"""`predict_peak`: the peak memory of the standard training step on an H200, without a GPU and
-without weights (the model built on the meta device, built once per config, precision and attention).
+"""The loop's simulation, `loop_peak`: the peak memory of the standard training step on a GPU, without
+a GPU and without weights (the model built on the meta device, once per config, precision and
+attention), answered as the estimators' `Estimate`; and the parts every client's simulation shares.
 """
 
 from __future__ import annotations
@@ -8,70 +9,74 @@ import functools
 import json
 import time
 
-from pipeline.errors import UserError
-from pipeline.vocabulary import OPTIMIZERS, PRECISIONS, VARIANTS, check_choice, check_positive_int
+from pipeline.core.errors import UserError
+from pipeline.core.vocabulary import check_choice
+from pipeline.training.values import Estimate, Run
 
 # The simulator also takes "sdpa" (transformers' name for the default on current models).
 ATTENTIONS = ("default", "sdpa", "eager")
+# Fields of a simulation's result that an Estimate holds as its own (the rest are its details).
+ESTIMATE_FIELDS = ("peak_bytes", "components", "peak_reserved_bytes", "peak_reserved_expandable_bytes")
 
 
-def predict_peak(config, batch_size: int, seq_len: int, precision: str = "fp32", optimizer: str = "adamw",
-                 gradient_checkpointing: bool = False, attn_implementation: str | None = None,
-                 variant: str = "standard", adapter=None, reserve_limit: int | None = None) -> dict:
-    """Predicted `torch.cuda.max_memory_allocated()` of the standard training step on an H200.
+def loop_peak(config, run: Run) -> Estimate:
+    """The standard training step (or the blog's loop, `run.variant`) of `config` (a transformers
+    config or a config.json dict) on meta tensors: `torch.cuda.max_memory_allocated()` (peak_bytes),
+    its components (bytes by role at the peak), `max_memory_reserved()` (reserved_bytes; with
+    `expandable_segments:True`: reserved_expandable_bytes) and, in `details`: phase_peaks, peak_phase,
+    saved_bytes (autograd's saved-for-backward storages of the forward, parameters excluded),
+    optimizer_state_bytes, reserve_limit_exceeded and seconds.
 
-    `config`: a transformers config or a config.json dict. Returns peak_bytes, components (bytes by
-    role at the peak moment), phase_peaks, saved_bytes (autograd saved-for-backward storages of the
-    forward, parameters excluded), peak_reserved_bytes (`torch.cuda.max_memory_reserved()`),
-    peak_reserved_expandable_bytes (the same with `expandable_segments:True`) and seconds.
-
-    `adapter`: a `pipeline.adapters.AdapterSpec` (LoRA / QLoRA), run by PEFT's own wrapping on a
-    meta model of its own (`pipeline.simulate.adapters`); `trainable_parameters` is then returned too.
-    `reserve_limit`: the bytes the process may reserve on its GPU; the reserved replay then gives
-    cached segments back at that edge as the allocator does (`reserve_limit_exceeded`: it ran out).
+    `run.adapter` (LoRA / QLoRA) is run by PEFT's own wrapping on a meta model of its own
+    (`pipeline.simulate.adapters`; `trainable_parameters` in details); `run.reserve_limit`: the bytes the
+    process may reserve on its GPU, where the reserved replay gives cached segments back as the
+    allocator does.
     """
     from pipeline.simulate.step import simulate_training_step
 
     start = time.perf_counter()
-    check_inputs(batch_size, seq_len, precision, optimizer, gradient_checkpointing, attn_implementation, variant)
-    config = _as_config(config)
-    if adapter is None:
-        model = cached_meta_model(_config_key(config), precision, _attention(attn_implementation))
+    check_loop(run)
+    config = as_config(config)
+    attention = meta_attention(run.attn_implementation)
+    if run.adapter is None:
+        model = cached_meta_model(config_key(config), run.precision, attention)
     else:
         from pipeline.simulate.adapters import cached_adapter_model, check_adapter
 
-        check_adapter(adapter, variant)
-        model = cached_adapter_model(_config_key(config), precision, _attention(attn_implementation), adapter,
-                                     gradient_checkpointing)
-    result = simulate_training_step(model, batch_size, seq_len, precision, optimizer, gradient_checkpointing,
-                                    variant, device_type="meta", reserve_limit=reserve_limit)
-    if adapter is not None:
-        from pipeline.adapters import trainable_parameters
+        check_adapter(run.adapter, run.variant)
+        model = cached_adapter_model(config_key(config), run.precision, attention, run.adapter, run.checkpointing)
+    result = simulate_training_step(model, run.batch, run.seq, run.precision, run.optimizer, run.checkpointing,
+                                    run.variant, device_type="meta", reserve_limit=run.reserve_limit)
+    if run.adapter is not None:
+        from pipeline.training.adapters import trainable_parameters
 
         result["trainable_parameters"] = trainable_parameters(model)
-    result["seconds"] = time.perf_counter() - start
-    return result
+    return estimate_of(result, start)
 
 
-def check_inputs(batch_size, seq_len, precision, optimizer, gradient_checkpointing, attn_implementation,
-                 variant) -> None:
-    check_positive_int("batch_size", batch_size)
-    check_positive_int("seq_len", seq_len)
-    check_choice("precision", precision, PRECISIONS)
-    check_choice("optimizer", optimizer, OPTIMIZERS)
-    check_choice("variant", variant, VARIANTS)
-    if attn_implementation is not None:
-        check_choice("attn_implementation", attn_implementation, ATTENTIONS)
-    if not isinstance(gradient_checkpointing, bool):
-        raise UserError(f"gradient_checkpointing must be true or false, not {gradient_checkpointing!r}")
+def estimate_of(result: dict, start: float) -> Estimate:
+    """A simulation's result as the estimators' value: the peak, its components, the reserved bytes,
+    and the rest (phase peaks, saved bytes, ...) with the seconds it took as details."""
+    details = {k: v for k, v in result.items() if k not in ESTIMATE_FIELDS}
+    details["seconds"] = time.perf_counter() - start
+    return Estimate(float(result["peak_bytes"]), result.get("components"), details, result["peak_reserved_bytes"],
+                    result["peak_reserved_expandable_bytes"])
 
 
-def _attention(attn_implementation):
+def check_loop(run: Run) -> None:
+    """What the loop simulator takes beyond a valid Run: an attention implementation it knows."""
+    if run.attn_implementation is not None:
+        check_choice("attn_implementation", run.attn_implementation, ATTENTIONS)
+
+
+def meta_attention(attn_implementation):
+    """The attention implementation to build with: None for the library's default."""
     return None if attn_implementation in (None, "default") else attn_implementation
 
 
-def _as_config(config):
-    from pipeline.configs import config_from_dict
+def as_config(config):
+    """A transformers config from a config.json dict (or the transformers config itself)."""
+    from pipeline.inputs.configs import config_from_dict
 
     if isinstance(config, dict):
         return config_from_dict(config)
@@ -80,15 +85,16 @@ def _as_config(config):
     return config
 
 
-def _config_key(config) -> str:
+def config_key(config) -> str:
+    """A config as a hashable key of the meta model cache."""
     return json.dumps(config.to_dict(), sort_keys=True, default=str)
 
 
 @functools.lru_cache(maxsize=4)
 def cached_meta_model(config_json: str, precision: str, attn_implementation: str | None):
     """The model on the meta device (no weights), built once per (config, precision, attention)."""
-    from pipeline.configs import config_from_dict
-    from pipeline.modeling import build
+    from pipeline.inputs.configs import config_from_dict
+    from pipeline.inputs.modeling import build
 
     config = config_from_dict(json.loads(config_json))
     try:

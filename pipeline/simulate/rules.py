@@ -6,7 +6,7 @@ graph). What is not, and is mirrored here:
 
 - scaled_dot_product_attention: which kernel CUDA picks and what that kernel saves for backward
   (`pipeline.simulate.sdpa`); the meta device itself would always run the math composite.
-- autocast("cuda", bfloat16): the meta device has no autocast (`pipeline.autocast.CudaAutocast`,
+- autocast("cuda", bfloat16): the meta device has no autocast (`pipeline.training.autocast.CudaAutocast`,
   whose op lists and cache of weight casts this class inherits).
 - dropout (CUDA's fused kernel) and grouped_mm in fp32 (`pipeline.simulate.kernels`).
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.autocast import CudaAutocast
+from pipeline.training.autocast import CudaAutocast
 from pipeline.simulate.kernels import cuda_dropout, grouped_mm_stand_in
 from pipeline.simulate.sdpa import cuda_sdpa
 

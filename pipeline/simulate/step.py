@@ -1,6 +1,6 @@
-"""The standard training step (`pipeline.step`) run under the live-byte tracker and CUDA's rules.
+"""The standard training step (`pipeline.training.step`) run under the live-byte tracker and CUDA's rules.
 
-The loop is the standard step of docs/definitions.md (`pipeline.step`, as `pipeline.memory` runs it): a peak per phase (forward, backward, optimizer),
+The loop is the standard step of docs/definitions.md (`pipeline.training.step`, as `pipeline.measure.point` runs it): a peak per phase (forward, backward, optimizer),
 the maximum over three steps. Steps 2 and 3 are alike: they differ from step 1 by the optimizer
 state that exists from step 1 on (and the previous step's loss). So one forward and backward is
 run, then two optimizer steps: forward and backward peaks of step 2 are those of step 1 plus the
@@ -21,7 +21,7 @@ import contextlib
 from pipeline.simulate.allocator import (CachingAllocator, ExpandableSegments, Fanout, allocated_bytes,
                                          later_steps_reserved)
 from pipeline.simulate.scaler import scaler_tensors
-from pipeline.step import (Setting, grad_scaler, make_optimizer, set_training_mode, token_ids, trainable, training_loss,
+from pipeline.training.step import (Setting, grad_scaler, make_optimizer, set_training_mode, token_ids, trainable, training_loss,
                            zero_grad)
 
 PHASES = ("forward", "backward", "optimizer")
@@ -108,7 +108,7 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     # forward of steps 2 and 3
     carried = loss_bytes + tracker.bytes_of(scaler_tensors(scaler))
     result = summarise(tracker.peaks, step1, state_bytes, carried, saved_bytes)
-    result["optimizer_state_bytes"] = state_raw_bytes  # as pipeline.memory reports it: storage bytes
+    result["optimizer_state_bytes"] = state_raw_bytes  # as pipeline.measure.point reports it: storage bytes
     ids_at, loss_at = tracker.address_of(ids), tracker.address_of(loss)
     once = [at for at in (tracker.address_of(t) for t in scaler_tensors(scaler)) if at]
     backward = [without_first_allocations(trace, [at[i] for at in once]) for i, trace in enumerate(backward)]
@@ -136,7 +136,7 @@ def quantization_state(model) -> list:
 
 
 def optimizer_step(opt, scaler) -> None:
-    """The optimizer step, through the gradient scaler in amp-fp16 (pipeline.clients.loop's)."""
+    """The optimizer step, through the gradient scaler in amp-fp16 (pipeline.measure.clients.loop's)."""
     if scaler is None:
         opt.step()
     else:

@@ -1,5 +1,5 @@
-"""`predict_trainer_peak`: the peak memory of `client = trainer` (docs/definitions.md, "Training
-settings beyond the standard step"; the GPU run is `pipeline.clients.trainer`) on meta tensors.
+"""`trainer_peak`: the peak memory of `client = trainer` (docs/definitions.md, "Training
+settings beyond the standard step"; the GPU run is `pipeline.measure.clients.trainer`) on meta tensors.
 
 The real transformers.Trainer and accelerate code runs under the live-byte tracker and CUDA's
 kernel rules, as `pipeline.simulate.step` runs the standard step: `Trainer.create_optimizer`
@@ -41,57 +41,51 @@ from __future__ import annotations
 import contextlib
 import time
 
-from pipeline.simulate.predict import _as_config, _attention, _config_key, cached_meta_model, check_inputs
-from pipeline.step import STEPS, Setting, set_training_mode
-from pipeline.vocabulary import OPTIMS, PRECISIONS, check_choice, check_positive_int
+from pipeline.simulate.predict import as_config, cached_meta_model, check_loop, config_key, estimate_of, meta_attention
+from pipeline.training.step import STEPS, Setting, set_training_mode
+from pipeline.core.vocabulary import OPTIMS, check_choice
+from pipeline.training.values import Estimate, Run
 
 PHASES = ("setup", "forward", "backward", "optimizer")
 
 
-def predict_trainer_peak(config, batch_size: int, seq_len: int, precision: str = "amp-bf16",
-                         optim: str = "adamw_torch_fused", gradient_accumulation: int = 1,
-                         gradient_checkpointing: bool = False, attn_implementation: str | None = None,
-                         adapter=None, reserve_limit: int | None = None) -> dict:
-    """Predicted `torch.cuda.max_memory_allocated()` (peak_bytes) and `max_memory_reserved()`
-    (peak_reserved_bytes) of `Trainer.train()` for three optimizer steps (client = trainer;
-    precision in vocabulary.PRECISIONS, optim in vocabulary.OPTIMS), the
-    cuBLAS workspaces of an earlier point in the process included, as `predict_peak` counts them.
-    Also: components (bytes by role at the peak), phase_peaks, peak_phase, optimizer_state_bytes,
-    peak_reserved_expandable_bytes, seconds.
+def trainer_peak(config, run: Run) -> Estimate:
+    """`Trainer.train()` for three optimizer steps of `run.gradient_accumulation` micro-batches
+    (client = trainer; `run.optim` by its transformers name) of `config` on meta tensors, as
+    `loop_peak` answers: the peak allocated and reserved with the cuBLAS workspaces of an earlier
+    point in the process, components, and phase_peaks, peak_phase, optimizer_state_bytes, seconds in
+    details.
 
-    `adapter`: a `pipeline.adapters.AdapterSpec` (LoRA / QLoRA): the Trainer trains the PeftModel
-    that the loop simulator builds (`pipeline.simulate.adapters`), built anew for each call, with its
-    own PEFT handling; `trainable_parameters` is then returned too."""
+    `run.adapter` (LoRA / QLoRA): the Trainer trains the PeftModel that the loop simulator builds
+    (`pipeline.simulate.adapters`), built anew for each call, with its own PEFT handling;
+    `trainable_parameters` is then in details too."""
     start = time.perf_counter()
-    check_inputs(batch_size, seq_len, precision, "adamw", gradient_checkpointing, attn_implementation, "standard")
-    check_choice("precision", precision, PRECISIONS)
-    check_choice("optim", optim, OPTIMS)
-    check_positive_int("gradient_accumulation", gradient_accumulation)
-    check_installed(optim)
-    config = _as_config(config)
-    if adapter is None:
-        model = cached_meta_model(_config_key(config), precision, _attention(attn_implementation))
+    check_choice("optim", run.optim, OPTIMS)
+    check_loop(run)
+    check_installed(run.optim)
+    config = as_config(config)
+    attention = meta_attention(run.attn_implementation)
+    if run.adapter is None:
+        model = cached_meta_model(config_key(config), run.precision, attention)
     else:
         from pipeline.simulate.adapters import check_adapter, fresh_adapter_model
 
-        check_adapter(adapter, "standard")
-        model = fresh_adapter_model(_config_key(config), precision, _attention(attn_implementation), adapter,
-                                    gradient_checkpointing)
-    result = simulate_trainer(model, batch_size, seq_len, precision, optim, gradient_accumulation,
-                              gradient_checkpointing, reserve_limit=reserve_limit)
-    if adapter is not None:
-        from pipeline.adapters import trainable_parameters
+        check_adapter(run.adapter, "standard")
+        model = fresh_adapter_model(config_key(config), run.precision, attention, run.adapter, run.checkpointing)
+    result = simulate_trainer(model, run.batch, run.seq, run.precision, run.optim, run.gradient_accumulation,
+                              run.checkpointing, reserve_limit=run.reserve_limit)
+    if run.adapter is not None:
+        from pipeline.training.adapters import trainable_parameters
 
         result["trainable_parameters"] = trainable_parameters(model)
-    result["seconds"] = time.perf_counter() - start
-    return result
+    return estimate_of(result, start)
 
 
 def check_installed(optim: str) -> None:
     """The simulator runs the optimizer's own code: its package must be importable here."""
     import importlib.util
 
-    from pipeline.errors import UserError
+    from pipeline.core.errors import UserError
 
     if optim == "adamw_bnb_8bit" and importlib.util.find_spec("bitsandbytes") is None:
         raise UserError("optim adamw_bnb_8bit needs bitsandbytes, which is not installed here (pip install bitsandbytes)")
@@ -233,7 +227,7 @@ class TrainerRun:
         """A collated batch (host memory) moved to the device, as accelerate's dataloader does."""
         import torch
 
-        from pipeline.modeling import vocabulary_size
+        from pipeline.inputs.modeling import vocabulary_size
 
         ids = torch.randint(0, vocabulary_size(self.model), (self.batch_size, self.seq_len))
         items = [{"input_ids": row, "labels": row} for row in ids]

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 from transformers import Trainer, TrainingArguments
 
-from pipeline.step import STEPS
+from pipeline.training.step import STEPS
 
 
 class MetaTrainingArguments(TrainingArguments):
@@ -37,7 +37,7 @@ class MetaTrainer(Trainer):
 
 def meta_trainer(model, batch_size: int, precision: str, optim: str, gradient_accumulation: int,
                  gradient_checkpointing: bool, device_type: str) -> MetaTrainer:
-    """`pipeline.clients.trainer.training_arguments` with use_cpu=True (the accelerator must not
+    """`pipeline.measure.clients.trainer.training_arguments` with use_cpu=True (the accelerator must not
     ask for a GPU), the model left where it is."""
     output_dir = tempfile.mkdtemp(prefix="avp-simtrainer-")
     args = MetaTrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch_size, max_steps=STEPS,

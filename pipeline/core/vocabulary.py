@@ -1,0 +1,54 @@
+"""The words every stage shares: precision modes, optimizers, clients, loop variants, attention
+choices, statuses, estimator methods and the key of a measured point, with the one check that
+names what is wrong with a value.
+
+Units and the meaning of each word are in docs/definitions.md.
+"""
+
+from __future__ import annotations
+
+from pipeline.core.errors import UserError
+
+# Precision modes of a training step: fp32 (weights, grads, optimizer state in fp32), bf16 (all
+# in bf16), amp-bf16 (fp32 weights and state, forward under bf16 autocast), amp-fp16 (the same
+# under fp16 autocast, the loss scaled by a gradient scaler).
+PRECISIONS = ("fp32", "bf16", "amp-bf16", "amp-fp16")
+# activations.parquet spells a precision by its dtype (`dtype` column); this is the one bridge.
+DTYPE_OF_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "amp-bf16": "amp-bf16", "amp-fp16": "amp-fp16"}
+PRECISION_OF_DTYPE = {dtype: precision for precision, dtype in DTYPE_OF_PRECISION.items()}
+# Element size of the activations of a precision (the amp modes compute in 16 bits).
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "amp-bf16": 2, "amp-fp16": 2}
+# Bytes per parameter of the weights, gradients and optimizer state.
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "amp-bf16": 4, "amp-fp16": 4}
+
+OPTIMIZERS = ("adamw", "sgd")  # the loop client's: torch's AdamW (foreach), SGD with momentum 0.9
+# The trainer client's `optim`, by its transformers name (TrainingArguments.optim).
+OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adamw_bnb_8bit")
+# The loop's optimizer by its transformers name where one is exactly the same (transformers' "sgd"
+# has no momentum, the loop's has 0.9: no name).
+OPTIM_OF_LOOP_OPTIMIZER = {"adamw": "adamw_torch", "sgd": None}
+# loop: the standard training step; trainer: transformers.Trainer (docs/definitions.md)
+CLIENTS = ("loop", "trainer")
+# Adapters on a frozen base: LoRA, or QLoRA on a base quantized by bitsandbytes (nf4: 4-bit, int8: 8-bit)
+ADAPTER_METHODS = ("lora", "qlora")
+QUANTIZATIONS = ("nf4", "int8")
+# Several GPUs: DDP, FSDP2 fully_shard per decoder layer and the root (resharded after forward, or not)
+SHARDINGS = ("ddp", "fsdp", "fsdp-no-reshard")
+VARIANTS = ("standard", "blog")  # blog: the blog's own loop, loss = mean(logits)
+ATTENTIONS = ("default", "eager")  # as requested; default: the library's choice (sdpa)
+STATUSES = ("ok", "oom", "skipped", "error")
+METHODS = ("blog", "heuristic", "formula", "exact")  # the estimators, in the order the validation reports them
+# Estimators fitted on the measurements: the validation also refits them without the validated model's family.
+REFITTED_METHODS = ("heuristic", "formula")
+
+
+
+def check_choice(what: str, value, allowed) -> None:
+    """UserError naming `what`, the value and the allowed ones, when `value` is not allowed."""
+    if value not in allowed:
+        raise UserError(f"{what} {value!r} is not one of {', '.join(str(a) for a in allowed)}")
+
+
+def check_positive_int(what: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"{what} must be a positive integer, got {value!r}")

@@ -1,0 +1,91 @@
+"""The closed forms' terms for LoRA and QLoRA, from config facts (no torch): the adapters' trainable
+parameters and the bytes of a frozen, possibly quantized, base. The exact estimator runs PEFT and
+bitsandbytes themselves (pipeline.simulate.adapters); these are the formulas' approximations.
+
+- LoRA of rank r on a linear (in -> out) adds r x (in + out) trainable parameters; `all-linear`
+  targets every decoder linear (PEFT leaves the lm head out), named targets count the llama-style
+  names below (other names: the exact method).
+- The frozen base keeps the precision's weight bytes and has no gradients or optimizer state; the
+  adapters have both, in the precision's weight dtype.
+- QLoRA: nf4 decoder linears take half a byte per weight plus a 4-byte absmax per 64 (0.5625 B);
+  int8 ones one byte plus a 4-byte scale per row; `prepare_model_for_kbit_training` upcasts the
+  rest (embeddings, lm head, norms) to fp32, and PEFT keeps the adapters in fp32. The residual
+  stream is then fp32 (fp32 embeddings and norm weights), and bitsandbytes casts each 4-bit
+  matmul's output back to its input's dtype: the activations are fp32 training's
+  (`activation_precision`), the logits too.
+"""
+
+from __future__ import annotations
+
+from pipeline.core.errors import UserError
+from pipeline.formulas.features import Facts, matmul_parameters
+from pipeline.formulas.components import optimizer_bytes
+from pipeline.core.vocabulary import WEIGHT_BYTES
+
+QUANTIZED_BYTES = {"nf4": 0.5 + 4 / 64, "int8": 1.0}
+
+
+def linear_shapes(facts: Facts) -> dict:
+    """(in, out) of each llama-style decoder linear of one layer, by module name."""
+    h, q, kv = facts.hidden, facts.q_dim or facts.hidden, facts.kv_dim or 2 * facts.hidden
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv // 2), "v_proj": (h, kv // 2), "o_proj": (q, h)}
+    if facts.intermediate:
+        shapes.update(up_proj=(h, facts.intermediate), down_proj=(facts.intermediate, h))
+        if facts.gated:
+            shapes["gate_proj"] = (h, facts.intermediate)
+    return shapes
+
+
+def adapter_parameters(facts: Facts, r: int, targets: str) -> int:
+    """Trainable parameters of LoRA rank `r` on `targets` ("all-linear" or names joined by commas)."""
+    shapes = linear_shapes(facts)
+    names = list(shapes) if targets == "all-linear" else targets.split(",")
+    unknown = [name for name in names if name not in shapes]
+    if unknown:
+        raise UserError(f"the closed forms count LoRA on {', '.join(shapes)} (or all-linear), not "
+                        f"{', '.join(unknown)}: use method exact")
+    return facts.layers * sum(r * (shapes[name][0] + shapes[name][1]) for name in names)
+
+
+def base_bytes(facts: Facts, parameters: int, precision: str, quantization: str | None) -> float:
+    """Bytes of the frozen base's weights."""
+    if quantization is None:
+        return parameters * WEIGHT_BYTES[precision]
+    linears = matmul_parameters(facts) - facts.vocab * (facts.embed_width or facts.hidden)
+    return linears * QUANTIZED_BYTES[quantization] + (parameters - linears) * 4
+
+
+def lora_saved_bytes_per_token(facts: Facts, targets: str, precision: str, quantization: str | None,
+                               checkpointing: bool = False) -> float:
+    """What LoRA changes in the saved-for-backward bytes per token, bf16 bases (the formula's term).
+
+    PEFT keeps the adapters in fp32 and casts each targeted linear's input to fp32, which lora_A
+    saves: 4 bytes x its input width per targeted linear. The frozen base linears no longer save
+    their inputs for their weights' gradients: the norm outputs feeding q/k/v and gate/up, and the
+    MLP product feeding down (the attention output feeding o stays saved by attention itself).
+    Llama-3.2-1B, r=16 on all linears, B=4, L=2048: +7.52 GB by this, +6.37 GB simulated. With
+    checkpointing one layer's tensors live at a time (its recomputation in the backward)."""
+    if quantization or precision != "bf16":
+        return 0.0
+    shapes = linear_shapes(facts)
+    names = list(shapes) if targets == "all-linear" else [n for n in targets.split(",") if n in shapes]
+    added = 4 * sum(shapes[name][0] for name in names)
+    released = 2 * (2 * facts.hidden + facts.intermediate)
+    return (1 if checkpointing else facts.layers) * (added - released)
+
+
+def activation_precision(precision: str, quantization: str | None) -> str:
+    """The precision whose activations a run keeps: fp32 on a quantized base (see the module docstring)."""
+    return "fp32" if quantization else precision
+
+
+def adapter_components(components: dict, facts: Facts, parameters: int, precision: str, optimizer_key: str,
+                       r: int, targets: str, quantization: str | None) -> dict:
+    """A closed form's components with the base frozen (and quantized) and the adapters trained."""
+    trainable = adapter_parameters(facts, r, targets)
+    weight = WEIGHT_BYTES[activation_precision(precision, quantization)]
+    state, temporaries = optimizer_bytes(optimizer_key, trainable, weight)
+    parts = dict(components)
+    parts.update(parameters=base_bytes(facts, parameters, precision, quantization) + trainable * weight,
+                 gradients=trainable * weight, optimizer_state=state, optimizer_intermediates=temporaries)
+    return parts

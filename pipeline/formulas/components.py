@@ -1,0 +1,195 @@
+"""The formulas of training memory, in plain Python: the blog's as published and the heuristic's.
+
+Both sum the same components (bytes):
+
+    parameters, gradients, optimizer_state, optimizer_intermediates, activations
+
+- the blog: every term N*P with P the bytes of the precision, AdamW state 2*N*P, activations
+  A*B*L*P with A = 4.6894e-4*N + 1.8494e6 (fp32 BYTES per token, so P counts twice: see
+  `BLOG_NOTES`); peak = parameters + optimizer_state + max(gradients + intermediates, activations).
+- the heuristic: A in activation ELEMENTS per token (a refit, coefficients.json), times bytes per
+  element of the precision, precision-aware weights (amp-bf16: fp32 weights, gradients and state,
+  bf16 activations plus the bf16 weight copies autocast keeps); peak = parameters +
+  optimizer_state + gradients + max(intermediates, activations) (`heuristic_peak` says why).
+
+No torch, no numpy: a formula is usable without the measuring code.
+"""
+
+from __future__ import annotations
+
+# Bytes per parameter (weights, gradients, optimizer state) and per activation element of a precision.
+from pipeline.core.vocabulary import ACTIVATION_BYTES, WEIGHT_BYTES
+
+# The blog's published fit: A in fp32 BYTES per token (4 bytes x hook elements).
+BLOG_SLOPE = 4.6894e-4
+BLOG_INTERCEPT = 1.8494e6
+BLOG_A_BYTES_PER_ELEMENT = 4
+# The blog has one P per run; for amp-bf16 we take the fp32 bytes of its weights, grads and state.
+BLOG_P = {"fp32": 4, "bf16": 2, "amp-bf16": 4, "amp-fp16": 4}
+# The blog's calculator divides activations by this under gradient checkpointing (project brief;
+# the calculator's code is not part of the published text).
+BLOG_CHECKPOINTING_DIVISOR = 5
+BLOG_NOTES = [
+    "A = 4.6894e-4*N + 1.8494e6 is fp32 BYTES per token (its hook sums numel*element_size), yet "
+    "Activation Memory = A*B*L*P multiplies by P again: 4x too much in fp32, 2x in bf16.",
+    "The post states two totals: max(gradients + optimizer intermediates, activations) and "
+    "max(gradients, optimizer intermediates, activations); this uses the first.",
+    "The hook count sums outputs of every module (containers included) for one token; it is not what "
+    "autograd saves for backward and has no term growing with L (attention scores, fp32 logits for the loss).",
+    "P is one precision for everything: mixed precision (fp32 weights and state, bf16 activations) is not "
+    "covered; here amp-bf16 takes P = 4.",
+    "Gradient checkpointing: activations divided by a constant 5, not measured.",
+    "The fit misses the post's own example: for Qwen2.5-1.5B it gives A = 2,573,309 bytes per token, "
+    "the hook count is 5,065,216.",
+    "Measured peaks (H200, standard step) are in the backward or the optimizer step, never in the forward; "
+    "in the backward the gradients and the activations are alive together, which the max() leaves out.",
+]
+
+# The optimizers' memory, by the key `optimizer_key` gives: (state buffers in the weights' dtype,
+# weight-sized temporaries of the step, state bytes per parameter in a dtype of its own).
+OPTIMIZER_TERMS = {
+    "adamw": (2, 1, 0),  # torch's AdamW (foreach): two moments; the step needs about one more copy of the weights
+    "sgd": (1, 0, 0),  # SGD with momentum: one buffer; its step peaks at weights + momentum + gradients + ~6%
+    "adamw_torch_fused": (2, 0, 0),  # one fused kernel per parameter group: no weight-sized temporaries
+    "adafactor": (0, 0, 0),  # transformers' Adafactor (beta1=None): row and column second moments, ~0 of N
+    "sgd_no_momentum": (0, 0, 0),  # transformers' "sgd": momentum 0, no state
+    "adamw_bnb_8bit": (0, 0, 2),  # bitsandbytes: two 8-bit moments (+ a 4-byte absmax per 256 values)
+}
+# The trainer client's `optim` names whose memory is one of the loop's optimizers, or has a key of its own.
+OPTIM_KEYS = {"adamw_torch": "adamw", "sgd": "sgd_no_momentum"}
+STATE_BUFFERS = {name: OPTIMIZER_TERMS[name][0] for name in ("adamw", "sgd")}  # the loop's (coefficients.json)
+INTERMEDIATE_BUFFERS = {name: OPTIMIZER_TERMS[name][1] for name in ("adamw", "sgd")}
+
+
+def optimizer_key(client: str = "loop", optimizer: str | None = "adamw", optim: str | None = None) -> str:
+    """The OPTIMIZER_TERMS key of a run: the loop's optimizer, or the trainer's optim."""
+    if client == "loop":
+        return optimizer or "adamw"
+    return OPTIM_KEYS.get(optim, optim)
+
+
+def optimizer_bytes(key: str, parameters, weight_bytes) -> tuple[float, float]:
+    """(optimizer state, optimizer-step temporaries) in bytes for N parameters."""
+    buffers, temporaries, own_bytes = OPTIMIZER_TERMS[key]
+    return parameters * (buffers * weight_bytes + own_bytes), parameters * temporaries * weight_bytes
+
+
+# Under autocast every fp32 weight is cast to a bf16 copy that autograd keeps until backward: it
+# lives beside the activations (the saved-for-backward counts of amp-bf16 show it as ~2N bytes).
+AMP_WEIGHT_COPY_BYTES = {"amp-bf16": 2, "amp-fp16": 2}
+
+PEAK_FORMULAS = {
+    "blog": "parameters + optimizer_state + max(gradients + optimizer_intermediates, activations)",
+    "heuristic": "parameters + optimizer_state + gradients + max(optimizer_intermediates, activations)",
+    "exact": "simulated peak; components are the live bytes by role at that moment",
+    "formula": "parameters + gradients + optimizer_state + max(optimizer_intermediates, activations); activations = "
+               "B x L x sum_k c_k x_k(L) + c_weights x N (closed-form features of the config)",
+}
+
+
+def blog_a_bytes(parameters):
+    """The blog's A for N parameters: fp32 BYTES per token, exactly as published."""
+    return BLOG_SLOPE * parameters + BLOG_INTERCEPT
+
+
+def training_components(parameters, activation_elements_per_token, batch, seq, precision, optimizer="adamw",
+                        activation_multiplier=1.0, checkpointing_factor=1.0) -> dict:
+    """Bytes of each term of the heuristic, in consistent units (see module docstring); `optimizer`
+    is an OPTIMIZER_TERMS key (`optimizer_key`).
+
+    activations = multiplier x checkpointing factor x A x B x L x bytes per element, plus for
+    amp-bf16 the bf16 weight copies (2 bytes x N) that autocast keeps for backward.
+    """
+    weight = WEIGHT_BYTES[precision]
+    activations = (activation_elements_per_token * batch * seq * ACTIVATION_BYTES[precision]
+                   * activation_multiplier * checkpointing_factor)
+    state, temporaries = optimizer_bytes(optimizer, parameters, weight)
+    return {
+        "parameters": parameters * weight,
+        "gradients": parameters * weight,
+        "optimizer_state": state,
+        "optimizer_intermediates": temporaries,
+        "activations": activations + AMP_WEIGHT_COPY_BYTES.get(precision, 0) * parameters,
+    }
+
+
+def shard_components(components: dict, num_gpus: int = 1, sharding: str | None = None) -> dict:
+    """One GPU's components under `sharding` of `num_gpus` (closed forms; the exact estimator runs
+    the real DDP / FSDP2 code): ddp keeps whole weights, state and gradients plus the gradient
+    buckets allreduce reads (a second copy of the gradients); fsdp shards weights, gradients, state
+    and the step's temporaries N ways; fsdp-no-reshard also keeps the gathered weights from the
+    forward to the backward, beside the activations. FSDP's all-gather buffers of the layers in
+    flight (a layer or two) are left out."""
+    if sharding is None:
+        return components
+    parts = dict(components)
+    if sharding == "ddp":
+        parts["gradients"] *= 2
+        return parts
+    for name in ("parameters", "gradients", "optimizer_state", "optimizer_intermediates"):
+        parts[name] = components[name] / num_gpus
+    if sharding == "fsdp-no-reshard":
+        parts["activations"] += components["parameters"] * (1 - 1 / num_gpus)
+    return parts
+
+
+def blog_components(parameters, batch, seq, precision, optimizer="adamw", checkpointing=False) -> dict:
+    """The blog's terms exactly as published (A already in fp32 bytes, times P again)."""
+    p = BLOG_P[precision]
+    activations = blog_a_bytes(parameters) * batch * seq * p
+    return {
+        "parameters": parameters * p,
+        "gradients": parameters * p,
+        "optimizer_state": optimizer_bytes(optimizer, parameters, p)[0],
+        "optimizer_intermediates": parameters * p,
+        "activations": activations / BLOG_CHECKPOINTING_DIVISOR if checkpointing else activations,
+    }
+
+
+def blog_peak(c: dict) -> float:
+    """The blog's total: weights + state + max(gradients + optimizer intermediates, activations)."""
+    return c["parameters"] + c["optimizer_state"] + max(c["gradients"] + c["optimizer_intermediates"], c["activations"])
+
+
+def heuristic_peak(c: dict) -> float:
+    """weights + state + gradients + max(optimizer intermediates, activations).
+
+    The measured peaks are never in the forward: about half are in the optimizer step (weights +
+    state + gradients + intermediates, as the blog says), the others in the backward, where the
+    gradients pile up while the activations are still alive; so gradients count in both branches.
+    """
+    return c["parameters"] + c["optimizer_state"] + c["gradients"] + max(c["optimizer_intermediates"], c["activations"])
+
+
+# The components each peak adds outside its max(): what the activations branch must leave room for.
+OUTSIDE_MAX = {
+    "blog": ("parameters", "optimizer_state"),
+    "heuristic": ("parameters", "optimizer_state", "gradients"),
+    "formula": ("parameters", "optimizer_state", "gradients"),
+}
+
+
+def unit_mismatch_example(parameters: int = 1_543_714_304, batch: int = 16, seq: int = 256,
+                          hook_elements_per_token: int = 1_266_304) -> dict:
+    """Qwen2.5-1.5B in numbers: the blog's A is already bytes, and its formula multiplies by P again.
+
+    `hook_elements_per_token` is the count the blog itself reports (5,065,216 fp32 bytes / 4),
+    which our meta-device hook count reproduces (docs/definitions.md).
+    """
+    a_bytes = blog_a_bytes(parameters)
+    as_published = a_bytes * batch * seq * 4
+    meant = a_bytes * batch * seq
+    return {
+        "model_id": "Qwen/Qwen2.5-1.5B",
+        "parameters": parameters,
+        "batch_size": batch,
+        "seq_len": seq,
+        "precision": "fp32",
+        "blog_A_fp32_bytes_per_token": a_bytes,
+        "blog_activation_bytes_as_published": as_published,
+        "blog_activation_bytes_meant": meant,
+        "factor": as_published / meant,
+        "blog_measured_hook_fp32_bytes": hook_elements_per_token * 4 * batch * seq,
+        "explanation": "A = 4.6894e-4*N + 1.8494e6 is fp32 bytes per token; Activation Memory = A*B*L*P "
+                       "multiplies by P = 4 bytes again, so it is 4x (fp32) or 2x (bf16) what the fit meant.",
+    }

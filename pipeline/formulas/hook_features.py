@@ -1,0 +1,79 @@
+"""The hook count's own features: what the modules output, per op, in config facts (no torch).
+
+The hook method sums the outputs of every module (`pipeline.activations.counts.hook_elements`), so
+its terms are the modules' output widths, not what autograd saves. Two things differ from the
+saved-bytes features (`pipeline.formulas.features.feature_values`), both read off per-module counts of the
+meta forward (`python -m pipeline count`; hooks grouped by module class):
+
+- experts: the Hugging Face implementations hold the experts in one module whose matrix products
+  are not modules; what the hooks see per expert that runs on a token is the activation module's
+  output (moe_intermediate_size wide; gpt-oss applies its activation as a function: none) and,
+  where each expert is a module (DBRX, the parallel experts of JetMoE), its output
+  (hidden_size) and its input projection (2 x moe_intermediate_size, gated). Llama 4 runs every
+  expert on every token and its experts module returns each expert's output.
+- query/key norms (Qwen 3, OLMo 2, OLMoE, Gemma 3, GLM-4.5, Llama 4, StableLM 2 12B, Persimmon,
+  Command R+): one more output as wide as the queries and one as wide as the keys per layer.
+
+Everything else is `feature_values` at L = 1 (one token: no term in L).
+"""
+
+from __future__ import annotations
+
+from pipeline.formulas.features import EVERY_EXPERT, FEATURES, feature_values
+
+# Per expert that runs on a token, outputs the hooks see: (moe_intermediate_size wide, hidden_size wide).
+# Default: the fused experts module of transformers (its activation module only).
+EXPERT_OUTPUTS = {
+    "gpt_oss": (0, 0),  # activation written as a function inside the experts module
+    "dbrx": (1, 1),  # each expert a module (DbrxExpertGLU) returning its hidden-wide output
+    "jetmoe": (3, 1),  # parallel experts: input linear (2 x width, gated), activation, output linear
+    "llama4_text": (1, 1),  # every expert runs; the experts module returns each one's output
+}
+DEFAULT_EXPERT_OUTPUTS = (1, 0)
+QK_NORM_TYPES = {"qwen3", "qwen3_moe", "olmo2", "olmoe", "gemma3_text"}
+QK_NORM_FIELDS = ("use_qk_norm", "qk_layernorm")
+
+HOOK_FEATURES = {
+    **{k: v for k, v in FEATURES.items() if k not in ("experts", "scores", "mask")},
+    "expert_activations": "MoE layers x experts run per token (num_experts_per_tok; num_experts for Llama 4) x "
+                          "moe_intermediate_size x the intermediate-wide module outputs per expert "
+                          "(`EXPERT_OUTPUTS`: 1 for the fused experts' activation module, 0 for gpt-oss, 3 for "
+                          "parallel experts with their input linear)",
+    "expert_outputs": "MoE layers x experts run per token x hidden_size where each expert's output is a module "
+                      "output (DBRX, JetMoE, Llama 4)",
+    "qk_norm": "attention layers x (num_attention_heads + num_key_value_heads) x head_dim where queries and keys "
+               "are normalised (model type in QK_NORM_TYPES or use_qk_norm / qk_layernorm true; Llama 4: its "
+               "layers with rotary embeddings)",
+}
+HOOK_TERMS = list(HOOK_FEATURES)
+HOOK_ONLY_TERMS = [t for t in HOOK_TERMS if t not in FEATURES]  # the hook count's own terms
+
+
+def has_qk_norm(model_type: str, config: dict) -> bool:
+    if model_type in QK_NORM_TYPES:
+        return True
+    return any(config.get(name) is True for name in QK_NORM_FIELDS)
+
+
+def normed_layers(facts, config: dict) -> int:
+    """Layers whose queries and keys are normalised: Llama 4 only where it applies rotary embeddings
+    (every layer but each `no_rope_layer_interval`-th, 4 by default)."""
+    if facts.model_type != "llama4_text":
+        return facts.attention_layers
+    return facts.attention_layers - facts.attention_layers // int(config.get("no_rope_layer_interval") or 4)
+
+
+def hook_feature_values(facts, config: dict) -> dict:
+    """The hook count's features of one token (`HOOK_FEATURES` order), from facts and the config dict."""
+    if isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    values = feature_values(facts, 1, "eager")
+    run = facts.experts if facts.model_type in EVERY_EXPERT else facts.top_k
+    wide, hidden = EXPERT_OUTPUTS.get(facts.model_type, DEFAULT_EXPERT_OUTPUTS)
+    per_layer = facts.moe_layers * run
+    values["expert_activations"] = per_layer * facts.moe_intermediate * wide
+    values["expert_outputs"] = per_layer * facts.hidden * hidden
+    query = facts.q_dim
+    key = facts.kv_dim // 2
+    values["qk_norm"] = normed_layers(facts, config) * (query + key) if has_qk_norm(facts.model_type, config) else 0
+    return {t: values[t] for t in HOOK_TERMS}

@@ -1,0 +1,124 @@
+"""client = trainer: transformers.Trainer on the already built model (docs/definitions.md):
+
+    TrainingArguments(output_dir=<tmp>, per_device_train_batch_size=B, max_steps=3,
+                      gradient_accumulation_steps=K, bf16=(precision == "amp-bf16"),
+                      fp16=(precision == "amp-fp16"), gradient_checkpointing=..., optim=...,
+                      save_strategy="no", disable_tqdm=True)
+
+every other argument at its default. The two exceptions change no memory of a step:
+save_strategy="no" (the default, "steps", saves a checkpoint after the last step: weights and
+optimizer state written to disk, seconds of device time for an 8B model, and no part of a training
+step) and disable_tqdm (the progress bar). On the CPU debug device, use_cpu=True: what the default
+picks on a machine without a GPU. The data: B*K*3 fixed-length sequences of random ids below the
+vocabulary size, labels = input_ids.
+
+Phases, seen through a forward pre-hook and hook on the model and a TrainerCallback: `forward` from
+the model's forward to its output (the loss included: labels are passed), `backward` from there to
+the next micro-batch's forward or the optimizer step (gradient clipping and the scaler's unscale
+included), `optimizer` from on_pre_optimizer_step to the next forward (scheduler, zero_grad, the
+end of training), `setup` from train()'s start to the first forward. The peak is the max of all.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import tempfile
+import time
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from pipeline.measure.clients.tracking import PhaseTracker, optimizer_state_bytes
+from pipeline.inputs.modeling import vocabulary_size
+from pipeline.training.step import STEPS, Setting, set_training_mode
+
+NEEDS_PACKAGE = {"adamw_bnb_8bit": "bitsandbytes"}
+
+
+def unavailable(setting: Setting, device: str) -> str | None:
+    package = NEEDS_PACKAGE.get(setting.optim)
+    if package and importlib.util.find_spec(package) is None:
+        return f"optim {setting.optim} needs {package}, which is not installed here"
+    return None
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Fixed-length sequences of random ids; each item's labels are its input_ids."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+class StepTimes(TrainerCallback):
+    """Seconds of each optimizer step (on_step_begin to on_step_end) and the optimizer phase's start."""
+
+    def __init__(self, tracker: PhaseTracker, device: str):
+        self.tracker, self.cuda = tracker, device == "cuda"
+        self.started, self.seconds = None, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.tracker.start("optimizer")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds.append(time.perf_counter() - self.started)
+
+
+def training_arguments(setting: Setting, precision: str, batch: int, device: str, output_dir: str):
+    extra = {"use_cpu": True} if device == "cpu" else {}
+    return TrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch, max_steps=STEPS,
+                             gradient_accumulation_steps=setting.gradient_accumulation,
+                             bf16=precision == "amp-bf16", fp16=precision == "amp-fp16",
+                             gradient_checkpointing=setting.gradient_checkpointing, optim=setting.optim,
+                             save_strategy="no", disable_tqdm=True, **extra)
+
+
+def random_tokens(model, batch: int, seq: int, setting: Setting) -> RandomTokens:
+    count = batch * setting.gradient_accumulation * STEPS
+    return RandomTokens(torch.randint(0, vocabulary_size(model), (count, seq)))
+
+
+def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, device: str,
+              tracker: PhaseTracker, use_cache: bool):
+    """Trainer.train() for three optimizer steps; returns (seconds per step, optimizer-state bytes)."""
+    set_training_mode(model, Setting())  # checkpointing off: the Trainer switches it on when asked
+    hooks = [model.register_forward_pre_hook(lambda *_: tracker.start("forward")),
+             model.register_forward_hook(lambda *_: tracker.start("backward"))]
+    times = StepTimes(tracker, device)
+    trainer = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="avp-trainer-") as output_dir:
+            trainer = Trainer(model=model, args=training_arguments(setting, precision, batch, device, output_dir),
+                              train_dataset=random_tokens(model, batch, seq, setting), callbacks=[times])
+            tracker.start("setup")
+            trainer.train()
+            tracker.stop()
+            return times.seconds, optimizer_state_bytes(trainer.optimizer, device)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        if trainer is not None:
+            trainer.accelerator.free_memory()
+        trainer = None
+        restore(model)
+        gc.collect()  # the Trainer's reference cycles hold the optimizer and its state
+
+
+def restore(model) -> None:
+    """The model as built: without accelerate's autocast wrapper of its forward and its mark
+    `_is_accelerate_prepared` (left set, the next Trainer's `prepare_model` skips the autocast wrapper:
+    the next point of the process computes in fp32), checkpointing off."""
+    for name in ("forward", "_original_forward", "_is_accelerate_prepared"):
+        model.__dict__.pop(name, None)
+    set_training_mode(model, Setting())

@@ -1,5 +1,0 @@
-import sys
-
-from pipeline.sweep.cli import main
-
-sys.exit(main())

@@ -1,0 +1,56 @@
+"""A model sharded the way several GPUs shard it, the one call that the GPU measurement
+(`pipeline.measure.distributed`) and the simulator (`pipeline.simulate.distributed_step`) make.
+
+`shard(model, sharding, mesh)`: `fully_shard` on each decoder layer (`inputs.modeling.decoder_layers`:
+transformers' `_no_split_modules` classes) and on the root, `reshard_after_forward` true (`fsdp`) or
+false (`fsdp-no-reshard`); or `DistributedDataParallel` with its defaults (`ddp`).
+"""
+
+from __future__ import annotations
+
+from pipeline.inputs.modeling import decoder_layers
+
+
+def shard(model, sharding: str, mesh=None, device_ids=None, fake: bool = False):
+    """`model` under `sharding` (see the module docstring); returns the module to call. `fake`:
+    the process group is the fake one (DDP then gets `fake_allreduce_hook`)."""
+    if sharding == "ddp":
+        import torch.nn.parallel.distributed as ddp
+
+        # DDP's check that all ranks hold the same shapes reads an all-gathered tensor's values,
+        # which meta tensors have not; it is skipped in both runs (the real CPU check's too), so
+        # that they allocate alike. It allocates a few int64 per parameter and frees them at once.
+        verify = ddp._verify_param_shape_across_processes
+        ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
+        try:
+            module = ddp.DistributedDataParallel(model, device_ids=device_ids)
+        finally:
+            ddp._verify_param_shape_across_processes = verify
+        if fake:
+            module.register_comm_hook(None, fake_allreduce_hook)
+        return module
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = sharding == "fsdp"
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules)")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model
+
+
+def fake_allreduce_hook(state, bucket):
+    """DDP's default bucket all-reduce for the fake process group, whose futures hold no value: the
+    same in-place all-reduce of the bucket, answered with the bucket. The default divides the
+    gradients by N while copying them into the bucket (`mul_out`), this hook copies them: neither
+    allocates."""
+    import torch
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    dist.all_reduce(buffer)
+    future = torch.futures.Future()
+    future.set_result(buffer)
+    return future

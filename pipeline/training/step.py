@@ -1,0 +1,170 @@
+"""The standard training step (docs/definitions.md), defined once for the measurement on a GPU
+(`pipeline.measure.point`) and the simulator (`pipeline.simulate`): what varies within one process (the
+`Setting`), the optimizer, the training mode, the token ids and the loss of each loop variant.
+
+    loss = model(input_ids=ids, labels=ids).loss; loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+
+three times, ids uniform over the vocabulary, AdamW (or SGD with momentum) over all parameters.
+The blog's own loop (`variant="blog"`) is the second, named variant: eval mode, the config's
+use_cache, ids below 100, loss = mean(logits), zero_grad() without set_to_none.
+
+A `Setting` also names the client that runs the steps (`loop`: the step above; `trainer`:
+transformers.Trainer, see pipeline.measure.clients), its optimizer by transformers name (`optim`), the
+gradient accumulation (micro-batches per optimizer step, the trainer's only) and the adapters
+(`adapter`: LoRA or QLoRA, pipeline.training.adapters; None for full fine-tuning). The optimizer takes the
+parameters that require gradients: all of them, or the adapters' on a frozen base.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from pipeline.training.adapters import AdapterSpec
+from pipeline.core.errors import UserError
+from pipeline.inputs.modeling import vocabulary_size
+from pipeline.core.vocabulary import (CLIENTS, OPTIM_OF_LOOP_OPTIMIZER, OPTIMIZERS, OPTIMS, VARIANTS, check_choice,
+                                 check_positive_int)
+
+STEPS = 3
+BLOG_ID_RANGE = 100  # the blog's ids: torch.randint(0, 100, (B, L))
+LEARNING_RATE = 1e-3  # AdamW's default; the value changes no memory
+
+
+TRAINER_DEFAULT_OPTIM = "adamw_torch_fused"  # TrainingArguments.optim's default (transformers 5.17)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What varies within one process: the client, the loop variant, the optimizer, checkpointing
+    and gradient accumulation.
+
+    `optimizer` is the loop's (adamw, sgd), `optim` the transformers name: for the loop it follows
+    from `optimizer` (None where no name is exact), for the trainer it is the choice (default
+    adamw_torch_fused) and `optimizer` is None.
+    """
+
+    variant: str = "standard"
+    optimizer: str | None = None  # the loop's default: adamw
+    gradient_checkpointing: bool = False
+    client: str = "loop"
+    optim: str | None = None
+    gradient_accumulation: int = 1
+    adapter: AdapterSpec | None = None
+
+    def __post_init__(self):
+        if self.client == "loop":
+            optimizer = self.optimizer or "adamw"
+            object.__setattr__(self, "optimizer", optimizer)
+            if self.optim is None:
+                object.__setattr__(self, "optim", OPTIM_OF_LOOP_OPTIMIZER.get(optimizer))
+        elif self.client == "trainer" and self.optim is None:
+            object.__setattr__(self, "optim", TRAINER_DEFAULT_OPTIM)
+
+    @classmethod
+    def from_row(cls, row: dict) -> Setting:
+        """The setting of a peak-table row; rows written before the client columns are the loop's."""
+        client = row.get("client") or "loop"
+        return cls(row.get("variant") or "standard", row.get("optimizer"), bool(row.get("gradient_checkpointing")),
+                   client, row.get("optim") if client != "loop" else None, row.get("gradient_accumulation") or 1,
+                   AdapterSpec.from_row(row))
+
+    def check(self) -> None:
+        check_choice("client", self.client, CLIENTS)
+        check_choice("variant", self.variant, VARIANTS)
+        if not isinstance(self.gradient_checkpointing, bool):
+            raise UserError(f"gradient_checkpointing must be true or false, not {self.gradient_checkpointing!r}")
+        if self.variant == "blog" and self.gradient_checkpointing:
+            raise UserError("the blog variant runs in eval mode, where gradient checkpointing does nothing")
+        check_positive_int("gradient_accumulation", self.gradient_accumulation)
+        if self.adapter is not None and not isinstance(self.adapter, AdapterSpec):
+            raise UserError(f"adapter must be an AdapterSpec, not {type(self.adapter).__name__}")
+        if self.adapter is not None and self.variant != "standard":
+            raise UserError("adapters (lora, qlora) train with the standard variant only")
+        if self.client == "loop":
+            check_choice("optimizer", self.optimizer, OPTIMIZERS)
+            if self.optim != OPTIM_OF_LOOP_OPTIMIZER[self.optimizer]:
+                raise UserError(f"optim is the trainer client's; the loop takes optimizer ({', '.join(OPTIMIZERS)})")
+            if self.gradient_accumulation != 1:
+                raise UserError("gradient_accumulation other than 1 needs client trainer")
+        else:
+            if self.optimizer is not None:
+                raise UserError(f"optimizer is the loop client's; the {self.client} client takes optim "
+                                f"({', '.join(OPTIMS)})")
+            check_choice("optim", self.optim, OPTIMS)
+            if self.variant != "standard":
+                raise UserError(f"the {self.client} client runs the standard variant only")
+
+    @property
+    def blog(self) -> bool:
+        return self.variant == "blog"
+
+    def adapter_columns(self) -> dict:
+        """lora_r, lora_alpha, lora_targets, quantization (None without adapters)."""
+        if self.adapter is None:
+            return dict.fromkeys(("lora_r", "lora_alpha", "lora_targets", "quantization"))
+        return self.adapter.columns()
+
+
+def trainable(params) -> list:
+    """The parameters the optimizer takes: those that require gradients."""
+    return [p for p in params if p.requires_grad]
+
+
+def make_optimizer(params, setting: Setting, foreach: bool | None = None):
+    """AdamW, or SGD with momentum 0.9; `foreach=None` is torch's default for the device (foreach
+    on CUDA), which the simulator must name because meta tensors have no default."""
+    import torch
+
+    if setting.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=LEARNING_RATE, momentum=0.9, foreach=foreach)
+    return torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=foreach)
+
+
+def set_training_mode(model, setting: Setting) -> None:
+    """Checkpointing on or off, and train mode (eval for the blog's loop, as from_pretrained leaves it)."""
+    if setting.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    elif getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_disable()
+    model.train(not setting.blog)
+
+
+def token_ids(model, batch: int, seq: int, setting: Setting, device):
+    import torch
+
+    vocab = BLOG_ID_RANGE if setting.blog else vocabulary_size(model)
+    return torch.randint(0, vocab, (batch, seq), device=device)
+
+
+def training_loss(model, ids, setting: Setting, use_cache: bool = True):
+    """The loss of the loop variant (the blog's forward keeps the config's use_cache)."""
+    import torch
+
+    if setting.blog:
+        return torch.mean(model(ids, use_cache=use_cache).logits)
+    return model(input_ids=ids, labels=ids).loss
+
+
+def zero_grad(optimizer, setting: Setting) -> None:
+    """The standard step asks for set_to_none=True; the blog's plain zero_grad() is the same call
+    (torch's default since 2.0): the gradients are freed, not zeroed, in both variants."""
+    optimizer.zero_grad(set_to_none=True)
+
+
+def autocast(precision: str, device: str):
+    """The amp modes: the forward and the loss under bf16 or fp16 autocast (backward and optimizer outside)."""
+    import torch
+
+    if precision == "amp-bf16":
+        return torch.autocast(device, dtype=torch.bfloat16)
+    if precision == "amp-fp16":
+        return torch.autocast(device, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def grad_scaler(precision: str, device: str):
+    """amp-fp16's gradient scaler (torch.amp.GradScaler, its defaults); None in the other modes."""
+    import torch
+
+    return torch.amp.GradScaler(device) if precision == "amp-fp16" else None

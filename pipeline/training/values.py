@@ -1,0 +1,124 @@
+"""The values passed between the stages: the run (a training step's shape and settings), the target
+(what is estimated) and an estimate (a peak with its components), the same for the estimators, the
+simulator, the searches and the validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from pipeline.core.io import cell
+from pipeline.training.adapters import AdapterSpec
+from pipeline.core.errors import UserError
+from pipeline.formulas.components import optimizer_key
+from pipeline.training.step import Setting
+from pipeline.core.vocabulary import PRECISIONS, SHARDINGS, check_choice, check_positive_int
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Run:
+    """The training step being estimated: its shape and settings. The client (`loop`: the standard
+    step; `trainer`: transformers.Trainer) takes its optimizer as `optimizer` (loop: adamw, sgd) or
+    `optim` (trainer: the TrainingArguments name, default adamw_torch_fused), as `pipeline.training.step.Setting`."""
+
+    batch: int
+    seq: int
+    precision: str
+    optimizer: str | None = None  # the loop's; None: adamw
+    checkpointing: bool = False
+    attn_implementation: str | None = None  # exact only; None: the library's default
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    client: str = "loop"
+    optim: str | None = None  # the trainer's; None: adamw_torch_fused
+    gradient_accumulation: int = 1  # micro-batches per optimizer step (trainer)
+    num_gpus: int = 1  # GPUs of a data-parallel run; `batch` is per GPU
+    sharding: str | None = None  # ddp, fsdp, fsdp-no-reshard (vocabulary.SHARDINGS); None: one GPU
+    adapter: AdapterSpec | None = None  # LoRA / QLoRA on a frozen base; None: full fine-tuning
+    # bytes the process may reserve on its GPU (the fit verdict's device): the exact replay gives cached
+    # segments back at that edge, as the allocator does after a failed cudaMalloc; None: no edge
+    reserve_limit: int | None = None
+    variant: str = "standard"  # the loop's: the standard step, or the blog's own loop (vocabulary.VARIANTS)
+
+    def __post_init__(self):
+        check_positive_int("batch", self.batch)
+        check_positive_int("seq", self.seq)
+        check_choice("precision", self.precision, PRECISIONS)
+        for name in ("checkpointing", "expandable_segments"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        setting = Setting(self.variant, self.optimizer, self.checkpointing, self.client, self.optim,
+                          self.gradient_accumulation)
+        setting.check()
+        object.__setattr__(self, "optimizer", setting.optimizer)
+        object.__setattr__(self, "optim", setting.optim)
+        self.check_sharding()
+
+    def check_sharding(self) -> None:
+        check_positive_int("num_gpus", self.num_gpus)
+        if self.sharding is None:
+            if self.num_gpus > 1:
+                raise UserError(f"num_gpus {self.num_gpus} needs a sharding ({', '.join(SHARDINGS)})")
+            return
+        check_choice("sharding", self.sharding, SHARDINGS)
+        if self.client != "loop":
+            raise UserError(f"sharding is estimated for the loop client only, not {self.client}")
+        if self.adapter is not None:
+            raise UserError("sharding is estimated for full fine-tuning only, not with LoRA adapters")
+
+    @property
+    def optimizer_key(self) -> str:
+        """The optimizer as the formulas know it (`pipeline.formulas.components.OPTIMIZER_TERMS`)."""
+        return optimizer_key(self.client, self.optimizer, self.optim)
+
+    @classmethod
+    def from_row(cls, row, reserve_limit: int | None = None) -> Run:
+        """The run of a measured point of a peak table (`training.points`): its client, optimizer,
+        adapter and the attention implementation the estimators tell apart (eager, sdpa; else None)."""
+        client = cell(row, "client") or "loop"
+        attention = cell(row, "attn_implementation")
+        return cls(int(cell(row, "batch_size")), int(cell(row, "seq_len")), cell(row, "precision"),
+                   cell(row, "optimizer") if client == "loop" else None, bool(cell(row, "gradient_checkpointing")),
+                   attention if attention in ("eager", "sdpa") else None, client=client,
+                   optim=cell(row, "optim") if client != "loop" else None,
+                   gradient_accumulation=int(cell(row, "gradient_accumulation") or 1),
+                   adapter=AdapterSpec.from_row(row), reserve_limit=reserve_limit,
+                   variant=cell(row, "variant") or "standard")
+
+    def with_batch(self, batch: int) -> Run:
+        return replace(self, batch=batch)
+
+    def with_seq(self, seq: int) -> Run:
+        return replace(self, seq=seq)
+
+
+@dataclass
+class Target:
+    """What is estimated: a parameter count, and the config when one was given."""
+
+    parameters: int
+    model_id: str | None = None
+    config: object = None
+    active_parameters: int | None = None  # per token (MoE); None: all of them
+
+    @property
+    def active(self) -> int:
+        return self.parameters if self.active_parameters is None else self.active_parameters
+
+    @property
+    def source(self) -> str:
+        return "given" if self.config is None else "config (built on the meta device)"
+
+
+@dataclass
+class Estimate:
+    """One estimator's answer: the peak, its components (bytes) and what the method adds to the answer."""
+
+    peak_bytes: float
+    components: dict | None
+    details: dict = field(default_factory=dict)
+    reserved_bytes: float | None = None  # torch.cuda.max_memory_reserved(), default allocator settings
+    reserved_expandable_bytes: float | None = None  # the same with expandable segments
+
+    def reserved(self, expandable: bool) -> float:
+        return self.reserved_expandable_bytes if expandable else self.reserved_bytes

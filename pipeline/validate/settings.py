@@ -1,0 +1,282 @@
+"""Stage: the estimators against the training settings beyond the standard step (the Trainer client,
+amp-fp16, the optimizers), measured on several GPUs.
+
+The measured tables are one per GPU and plan (`SETTINGS_TABLES`: the tuned plan and its held-out
+models, whose rows nobody tunes on); `settings_rows` joins them with their `split`. Every `ok` and
+`oom` row is answered by each estimator with the row's client, optim, accumulation and precision:
+
+- `exact`: the simulator (`pipeline.simulate.simulate`: `trainer_peak` for the Trainer, `loop_peak` for the loop),
+  run once by `simulate-settings` into a table (results/settings_simulated.parquet) that
+  `validate-settings` reads, as the standard step's `simulate-peaks` and `validate` do;
+- `formula`, `heuristic`, `blog`: the closed forms with each optimizer's terms.
+
+Each row gets allocated and reserved errors and the fit verdict on the measured GPU (predicted
+reserved + the memory outside PyTorch <= the GPU's CUDA total), summarized per split, client,
+estimator and device. The exact replay of the reserved bytes stops at that GPU's edge (cached
+segments given back after a failed cudaMalloc, as the allocator does): the simulated table is
+keyed by the point and its device.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from pipeline.formulas.coefficients import reserved_ratio
+from pipeline.formulas.gpus import context_bytes
+from pipeline.core.errors import UserError
+from pipeline.core.vocabulary import METHODS
+from pipeline.estimate.estimators import BlogEstimator, ExactEstimator, FormulaEstimator, HeuristicEstimator
+from pipeline.training.values import Estimate, Run, Target
+from pipeline.core.paths import SETTINGS_SIMULATED, SETTINGS_SUMMARY, SETTINGS_TABLES, SETTINGS_VALIDATION
+from pipeline.validate.peaks import error_summary, predicted_or_reason
+
+SETTING_KEY = ("model_id", "precision", "client", "optim", "optimizer", "gradient_accumulation",
+               "gradient_checkpointing", "batch_size", "seq_len", "lora_r", "lora_alpha", "lora_targets", "quantization")
+ROW_COLUMNS = (*SETTING_KEY, "model_type", "family", "parameters", "status", "device", "split", "setting")
+
+
+def settings_rows(tables: dict):
+    """The ok and oom rows of the measured tables ({path: split}), with their split."""
+    import pandas as pd
+
+    from pipeline.core.io import read_table
+
+    frames = []
+    for path, split in tables.items():
+        frame = read_table(path, "training-settings peak")
+        frame = frame[(frame["status"] == "oom") | ((frame["status"] == "ok") & frame["peak_allocated_bytes"].notna())]
+        frames.append(frame.assign(split=split))
+    rows = pd.concat(frames, ignore_index=True)
+    rows["gradient_checkpointing"] = rows["gradient_checkpointing"].fillna(False).astype(bool)
+    rows["gradient_accumulation"] = rows["gradient_accumulation"].fillna(1).astype(int)
+    for column in ("lora_r", "lora_alpha", "lora_targets", "quantization"):
+        if column not in rows.columns:
+            rows[column] = None
+    rows["setting"] = [setting_name(row) for row in rows.itertuples(index=False)]
+    return rows
+
+
+def setting_name(row) -> str:
+    """full (fine-tuning), lora or qlora: the validation's groups."""
+    if _text(row.lora_r) == "":
+        return "full"
+    return "qlora" if _text(row.quantization) else "lora"
+
+
+def run_of(row) -> Run:
+    """The run of a measured point, with the bytes it could reserve on its GPU (the CUDA total less
+    the memory outside PyTorch, as the verdict counts them)."""
+    return Run.from_row(row, reserve_limit=int(row.gpu_total_bytes) - context_bytes(row.precision, None))
+
+
+def setting_key(row) -> tuple:
+    """A measured point on its GPU (the replay of the reserved bytes stops at that GPU's edge)."""
+    get = row.get if isinstance(row, dict) else lambda name: getattr(row, name)
+    return tuple(_text(get(name)) for name in (*SETTING_KEY, "device"))
+
+
+def _text(value) -> str:
+    """A key part: missing values (None, NaN, pandas' NA) alike."""
+    import pandas as pd
+
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+class ConfigTargets:
+    """The target of a row: its parameter count and the config of configs.json."""
+
+    def __init__(self, configs_path):
+        from pipeline.inputs.configs import read_config_records
+
+        self.records = read_config_records(configs_path)
+
+    def target(self, row) -> Target:
+        record = self.records.get(row.model_id) or {}
+        if record.get("status") != "ok":
+            raise UserError(f"{row.model_id}: no ok config in the configs file")
+        return Target(int(row.parameters), row.model_id, record["config"])
+
+
+class OnSettingRows:
+    """An estimator answering for the rows of a training-settings table."""
+
+    def __init__(self, estimator, targets: ConfigTargets):
+        self.estimator, self.targets = estimator, targets
+
+    def predict(self, row) -> Estimate:
+        return self.estimator.predict(self.targets.target(row), run_of(row))
+
+
+class SimulatedSettings:
+    """The exact estimator's answers read from simulate-settings' table."""
+
+    def __init__(self, simulated):
+        self.lookup = {setting_key(r): r for r in simulated.to_dict("records")}
+
+    def predict(self, row) -> Estimate:
+        found = self.lookup.get(setting_key(row))
+        if found is None:
+            raise UserError("point not in the simulated settings table (run simulate-settings)")
+        if found["simulate_status"] != "ok":
+            raise UserError(f"simulator: {found['simulate_reason']}")
+        return Estimate(float(found["simulated_peak_bytes"]), None,
+                        reserved_bytes=float(found["simulated_peak_reserved_bytes"]))
+
+
+def simulate_settings(rows, configs_path):
+    """The simulator's answer for every distinct setting of the rows (one failing point is a row)."""
+    import pandas as pd
+
+    from pipeline.core.provenance import software
+
+    exact = OnSettingRows(ExactEstimator(), ConfigTargets(configs_path))
+    records = []
+    for row in rows.drop_duplicates([*SETTING_KEY, "device"]).itertuples(index=False):
+        peak, reserved, reason = predicted_or_reason(row, exact)
+        records.append({**{name: getattr(row, name) for name in (*SETTING_KEY, "device")}, "simulated_peak_bytes": peak,
+                        "simulated_peak_reserved_bytes": reserved, "simulate_status": "error" if reason else "ok",
+                        "simulate_reason": reason})
+    table = pd.DataFrame.from_records(records)
+    for name, value in software().items():
+        table[name] = value
+    return table
+
+
+def validate_settings(rows, coefficients: dict, configs_path, simulated=None):
+    """One row per measured point x estimator: allocated and reserved errors, the fit verdict."""
+    import pandas as pd
+
+    from pipeline.core.provenance import software
+
+    targets = ConfigTargets(configs_path)
+    estimators = {"blog": OnSettingRows(BlogEstimator(reserved_ratio(coefficients)), targets),
+                  "heuristic": OnSettingRows(HeuristicEstimator(coefficients), targets),
+                  "formula": OnSettingRows(FormulaEstimator(coefficients), targets)}
+    if simulated is not None:
+        estimators["exact"] = SimulatedSettings(simulated)
+    records = []
+    for row in rows.itertuples(index=False):
+        for name, estimator in estimators.items():
+            predicted, reserved, reason = predicted_or_reason(row, estimator)
+            records.append(_record(row, name, predicted, reserved, reason))
+    table = pd.DataFrame.from_records(records)
+    for name, value in software().items():
+        table[name] = value
+    return table
+
+
+def _record(row, estimator: str, predicted: float, reserved: float, reason) -> dict:
+    ok = row.status == "ok"
+    measured = float(row.peak_allocated_bytes) if ok else math.nan
+    measured_reserved = float(row.peak_reserved_bytes) if ok else math.nan
+    outside = context_bytes(row.precision, None)
+    record = {name: getattr(row, name) for name in ROW_COLUMNS}
+    record.update(
+        estimator=estimator, predicted_peak_bytes=predicted, measured_peak_bytes=measured,
+        relative_error=(predicted - measured) / measured if ok else math.nan,
+        predicted_reserved_bytes=reserved, measured_reserved_bytes=measured_reserved,
+        reserved_relative_error=(reserved - measured_reserved) / measured_reserved if ok else math.nan,
+        gpu_memory_bytes=row.gpu_total_bytes, outside_bytes=outside, fits_measured=ok,
+        fits_predicted=None if math.isnan(predicted) else bool(predicted <= row.gpu_total_bytes),
+        fits_predicted_reserved=None if math.isnan(reserved) else bool(reserved + outside <= row.gpu_total_bytes),
+        reason=reason)
+    return record
+
+
+def summary_table(table):
+    """Per split, client, estimator and device: allocated and reserved errors, fit accuracy."""
+    import pandas as pd
+
+    records = []
+    for (split, setting, client, estimator, device), group in table.groupby(
+            ["split", "setting", "client", "estimator", "device"], sort=False):
+        records.append({"split": split, "setting": setting, "client": client, "estimator": estimator,
+                        "device": device, **error_summary(group)})
+    return pd.DataFrame.from_records(records)
+
+
+def summary_markdown(summary) -> str:
+    def pct(value):
+        return "" if value is None or value != value else f"{100 * value:.1f}%"
+
+    lines = ["| split | setting | client | estimator | device | points | median | p90 | worst | reserved median | "
+             "reserved p90 | fit right (reserved) |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in summary.itertuples(index=False):
+        fit = "" if r.reserved_fit_accuracy is None or r.reserved_fit_accuracy != r.reserved_fit_accuracy else \
+            f"{100 * r.reserved_fit_accuracy:.1f}% of {r.reserved_fit_points}"
+        lines.append(f"| {r.split} | {r.setting} | {r.client} | {r.estimator} | {r.device} | {r.points} | "
+                     f"{pct(r.median_abs_relative_error)} | {pct(r.p90_abs_relative_error)} | "
+                     f"{pct(r.worst_abs_relative_error)} | {pct(r.reserved_median_abs_relative_error)} | "
+                     f"{pct(r.reserved_p90_abs_relative_error)} | {fit} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_simulate_settings(tables: dict, configs_path, out_path):
+    from pipeline.core.io import write_parquet
+
+    table = simulate_settings(settings_rows(tables), configs_path)
+    write_parquet(table, out_path)
+    return table
+
+
+def run_validate_settings(tables: dict, coefficients_path, configs_path, simulated_path, out_path, summary_path):
+    from pipeline.formulas.coefficients import load_coefficients
+    from pipeline.core.io import write_parquet, write_text
+    from pipeline.core.io import read_table
+
+    simulated = read_table(simulated_path, "simulated settings") if simulated_path else None
+    table = validate_settings(settings_rows(tables), load_coefficients(coefficients_path), configs_path, simulated)
+    summary = summary_table(table)
+    write_parquet(table, out_path)
+    write_text("# The estimators on the training settings beyond the standard step\n\n"
+               "Errors are |predicted / measured - 1| of ok rows; the fit verdict covers ok and oom rows.\n\n"
+               + summary_markdown(summary), summary_path)
+    return summary
+
+
+def add_cli(subparsers) -> None:
+    from pipeline.core.paths import COEFFICIENTS, CONFIGS
+
+    tables = ", ".join(f"{path} ({split})" for path, split in SETTINGS_TABLES.items())
+    simulate = subparsers.add_parser("simulate-settings", help="the simulator at every measured training-settings point")
+    simulate.add_argument("--tables", nargs="*", metavar="PATH[=SPLIT]", help=f"default: {tables}")
+    simulate.add_argument("--configs", default=CONFIGS)
+    simulate.add_argument("--out", default=SETTINGS_SIMULATED)
+    simulate.set_defaults(handler=_simulate_command)
+    validate = subparsers.add_parser("validate-settings",
+                                     help=f"every estimator against the measured training settings ({tables})")
+    validate.add_argument("--tables", nargs="*", metavar="PATH[=SPLIT]", help=f"default: {tables}")
+    validate.add_argument("--coefficients", default=COEFFICIENTS)
+    validate.add_argument("--configs", default=CONFIGS)
+    validate.add_argument("--simulated", default=SETTINGS_SIMULATED, help="simulate-settings' table ('' for none)")
+    validate.add_argument("--out", default=SETTINGS_VALIDATION)
+    validate.add_argument("--summary", default=SETTINGS_SUMMARY)
+    validate.set_defaults(handler=_validate_command)
+
+
+def _tables(paths: list | None) -> dict:
+    """The tables given (PATH or PATH=SPLIT), else the committed ones present."""
+    if paths:
+        return dict((p.split("=", 1) + ["tuned"])[:2] for p in paths)
+    found = {path: split for path, split in SETTINGS_TABLES.items() if Path(path).is_file()}
+    if not found:
+        raise UserError(f"no training-settings table found ({', '.join(SETTINGS_TABLES)})")
+    return found
+
+
+def _simulate_command(args) -> int:
+    table = run_simulate_settings(_tables(args.tables), args.configs, args.out)
+    print(f"simulate-settings: {len(table)} settings, {int((table['simulate_status'] != 'ok').sum())} failed "
+          f"-> {args.out}")
+    return 0
+
+
+def _validate_command(args) -> int:
+    summary = run_validate_settings(_tables(args.tables), args.coefficients, args.configs, args.simulated or None,
+                                    args.out, args.summary)
+    print(summary_markdown(summary), end="")
+    print(f"validate-settings: -> {args.out}")
+    return 0

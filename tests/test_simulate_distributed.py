@@ -1,0 +1,149 @@
+"""Tests of the sharded simulation (pipeline.simulate.distributed): DDP and FSDP2 on N ranks.
+
+The CPU check: a real multi-process run (gloo, N processes) of a tiny model, rank 0's live bytes
+counted by the simulator's tracker on the CPU, against the simulation (one process, fake process
+group, meta tensors): equal byte for byte, per phase and per role.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TINY_LLAMA, flat
+
+from pipeline.core.errors import UserError
+from pipeline.training.values import Run
+
+COMPARED = ("peak_bytes", "peak_phase", "phase_peaks", "components", "phase_components")
+
+
+def simulate(num_gpus: int, sharding: str, **kwargs) -> dict:
+    from pipeline.simulate.distributed import distributed_peak
+
+    checkpointing = kwargs.pop("gradient_checkpointing", False)
+    return flat(distributed_peak(TINY_LLAMA, Run(2, 24, kwargs.pop("precision", "fp32"), checkpointing=checkpointing,
+                                                 attn_implementation="eager", num_gpus=num_gpus, sharding=sharding,
+                                                 **kwargs)))
+
+
+@pytest.mark.parametrize("num_gpus, shardings, precision, checkpointing", [
+    (2, ("ddp", "fsdp", "fsdp-no-reshard"), "bf16", True),
+    (4, ("ddp", "fsdp"), "fp32", False),
+])
+def test_simulation_equals_real_gloo_run_on_the_cpu(num_gpus, shardings, precision, checkpointing):
+    """Also checked by hand, equal likewise: fp32/bf16/amp-bf16 with and without checkpointing at
+    N = 2, and a tiny gpt2 (tied embeddings, dropout)."""
+    from pipeline.simulate.distributed_check import run_cpu_check
+
+    real = run_cpu_check(TINY_LLAMA, num_gpus, shardings, precision=precision,
+                         gradient_checkpointing=checkpointing)
+    for sharding in shardings:
+        simulated = simulate(num_gpus, sharding, precision=precision, gradient_checkpointing=checkpointing)
+        for key in COMPARED:
+            assert simulated[key] == real[sharding][key], (sharding, key)
+        assert real[sharding]["peak_bytes"] > 0
+
+
+def test_fsdp_holds_a_shard_of_the_parameters_and_ddp_a_bucket_copy_of_the_gradients():
+    """TINY_LLAMA has 151,872 parameters (607,488 fp32 bytes); components at the optimizer peak."""
+    ddp = simulate(4, "ddp")["phase_components"]["optimizer"]
+    fsdp = simulate(4, "fsdp")["phase_components"]["optimizer"]
+    assert simulate(1, "ddp")["phase_components"]["optimizer"] == ddp  # DDP's memory does not depend on N
+    assert ddp["parameters"] == 609_792  # each tensor in its own 512-byte blocks, and the rotary buffer
+    assert ddp["ddp_buckets"] == 607_744  # one bucket (under 25 MiB): all the gradients, one block
+    assert ddp["gradients"] == 608_768 and ddp["optimizer_state"] == 2 * 608_768
+    # FSDP2 keeps a quarter of each parameter (padded to N equal shards), its gradient and AdamW moments
+    assert fsdp["parameters"] == 155_136 and fsdp["gradients"] == 153_088 and fsdp["optimizer_state"] == 308_224
+    assert fsdp["ddp_buckets"] == ddp["all_gather"] == ddp["unsharded_parameters"] == 0
+
+
+def test_reshard_after_forward_keeps_fewer_layers_unsharded():
+    reshard = simulate(2, "fsdp")["phase_components"]["forward"]
+    keep = simulate(2, "fsdp-no-reshard")["phase_components"]["forward"]
+    assert keep["unsharded_parameters"] > reshard["unsharded_parameters"] > 0
+
+
+def test_the_fake_world_and_the_fsdp_patches_are_undone():
+    import torch.distributed as dist
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+
+    validate, all_gather = param_group.FSDPParamGroup._validate_no_meta_params, param_group.foreach_all_gather
+    simulate(2, "fsdp")
+    assert not dist.is_initialized()
+    assert param_group.FSDPParamGroup._validate_no_meta_params is validate
+    assert param_group.foreach_all_gather is all_gather
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_gpus=0, sharding="fsdp"), "num_gpus must be a positive integer"),
+    (dict(num_gpus=2, sharding="zero3"), "sharding 'zero3' is not one of ddp, fsdp, fsdp-no-reshard"),
+])
+def test_bad_arguments_raise_user_error(kwargs, message):
+    from pipeline.simulate.distributed import distributed_peak
+
+    with pytest.raises(UserError, match=message):
+        distributed_peak(TINY_LLAMA, Run(2, 24, "fp32", **kwargs))
+
+
+# ----------------------------------------------------------------------------- the GPU sweep's plan
+
+
+def test_distributed_plan_names_registry_models_that_do_not_fit_one_gpu():
+    """config/sweep_distributed.yaml: 8+ models with configs, 13B-34B among them, N in 2, 4, 8, ddp and fsdp."""
+    from pathlib import Path
+
+    from pipeline.measure.distributed import groups, read_plan
+    from pipeline.inputs.configs import read_config_records
+
+    repo = Path(__file__).resolve().parent.parent
+    plan = read_plan(repo / "config" / "sweep_distributed.yaml")
+    records = read_config_records(repo / "results" / "configs.json")
+    assert len(plan["models"]) >= 8 and all(records[m]["status"] == "ok" for m in plan["models"])
+    assert {"meta-llama/Llama-2-13b-hf", "codellama/CodeLlama-34b-hf"} <= set(plan["models"])
+    assert {"ddp", "fsdp"} <= set(plan["shardings"]) and set(plan["num_gpus"]) == {2, 4, 8}
+    assert {g["num_gpus"] for g in groups(plan, gpus=4)} == {2, 4}
+    assert len(groups(plan)) == len(plan["models"]) * 3 * len(plan["shardings"]) * len(plan["precisions"])
+
+
+def test_distributed_dry_run_prints_one_torchrun_per_group(tmp_path):
+    import subprocess
+    import sys
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("models: [Qwen/Qwen2.5-0.5B]\nnum_gpus: [2, 4]\nshardings: [fsdp]\n"
+                    "grid: {batch_sizes: [1], seq_lens: [512, 2048]}\n")
+    result = subprocess.run([sys.executable, "-m", "pipeline.measure.distributed", "--plan", str(plan), "--dry-run"],
+                            capture_output=True, text=True, timeout=120)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and len(lines) == 2
+    assert "--nproc-per-node=2" in lines[0] and "--points 1:512,1:2048" in lines[0] and "--sharding fsdp" in lines[0]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [x]\nshardings: [zero3]\ngrid: {batch_sizes: [1], seq_lens: [8]}\n")
+    result = subprocess.run([sys.executable, "-m", "pipeline.measure.distributed", "--plan", str(bad), "--dry-run"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == "error: sharding 'zero3' is not one of ddp, fsdp, fsdp-no-reshard"
+
+
+def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
+    """The GPU measurement path for real on the CPU: torchrun with 2 gloo ranks, ddp and fsdp, a tiny
+    llama; one ok row per group with its num_gpus and sharding (CUDA peaks are empty on the CPU)."""
+    import json
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("models: [test/tiny-llama]\nnum_gpus: [2]\nshardings: [ddp, fsdp]\n"
+                    "grid: {batch_sizes: [2], seq_lens: [16]}\n")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64)))
+    out = tmp_path / "peaks.parquet"
+    result = subprocess.run([sys.executable, "-m", "pipeline", "measure-distributed", "--plan", str(plan),
+                             "--config", str(config), "--devices", "2", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = pd.read_parquet(out)
+    assert sorted(rows["sharding"]) == ["ddp", "fsdp"] and set(rows["num_gpus"]) == {2}
+    assert set(rows["status"]) == {"ok"}, rows["reason"].tolist()
