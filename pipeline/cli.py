@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # bad arguments (one line, code 2) or --help (code 0): the code is returned
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return args.handler(args) or 0
     except UserError as exc:

@@ -185,18 +185,20 @@ def test_largest_batch_is_one_search_for_every_estimator(guess):
     """`largest` is the search of max_batch_size and max_seq_len (on the fit verdict); here on a plain budget."""
     from pipeline.estimate import Run, Target, largest
 
+    from pipeline.core.vocabulary import MAX_BATCH
+
     run, target = Run(1, 8, "fp32"), Target(1)
 
-    def search(estimator, memory, **limit):
+    def search(estimator, memory, limit=MAX_BATCH, exact_limit=True):
         def fit(batch):
             return estimator.predict(target, run.with_batch(batch)).peak_bytes <= memory
-        return largest(fit, limit.get("limit", 2**24), estimator.guess_batch(target, run, memory))
+        return largest(fit, limit, estimator.guess_batch(target, run, memory), exact_limit)
 
-    for memory, expected in ((12, 0), (13, 1), (99, 29), (100, 30), (3 * 2**20 + 10, 2**20)):
+    for memory, expected in ((12, 0), (13, 1), (99, 29), (100, 30), (3 * 2**19 + 10, 2**19), (10**12, MAX_BATCH)):
         assert search(_Linear(guess), memory) == expected
-    # the doubling stops past the limit (or past twice a checked guess)
-    assert search(_Linear(guess), 10**12, limit=64) >= 64
-    assert search(_Linear(), 10**12, limit=64) == 127
+    # without an exact limit, the doubling stops past the limit (or past twice a checked guess)
+    assert search(_Linear(guess), 10**12, limit=64, exact_limit=False) >= 64
+    assert search(_Linear(), 10**12, limit=64, exact_limit=False) == 127
     assert largest(lambda n: n <= 1000, 64, None, exact_limit=True) == 64  # max_seq_len: never past the limit
     assert largest(lambda n: n <= 50, 64, None, exact_limit=True) == 50
 

@@ -669,10 +669,13 @@ def output_cases() -> list[Case]:
              setup=with_files(mini_results, deep_json("results/coefficients.json", "{\"a\": ")), issue="own"),
         Case("control-dataset-fresh_out", "ok", [*dataset, "--out", "{ws}/out"], setup=mini_results,
              outputs=("out",), issue="control"),
-        Case("figures-truncated_activations", "reject", [*figures, "--out", "{ws}/out"],
+        Case("figures-truncated_activations", "reject",
+             ["figures", "--results", "{ws}/results", "--only", "saved_bytes_vs_seq_len", "--out", "{ws}/out"],
              words=(r"activations\.parquet",), setup=truncated("activations.parquet"), outputs=("out",), issue="8"),
-        Case("figures-truncated_models", "reject", [*figures, "--out", "{ws}/out"],
-             words=(r"models\.parquet",), setup=truncated("models.parquet"), outputs=("out",), issue="own"),
+        # the activations-vs-parameters figure draws the rows its fit used (coefficients.json): a broken
+        # table it does not read does not stop it
+        Case("control-figures-truncated_models_unread", "ok", [*figures, "--out", "{ws}/out"],
+             setup=truncated("models.parquet"), outputs=("out",), issue="control"),
         Case("figures-results_missing", "reject", ["figures", "--results", "{ws}/nonexistent", "--out", "{ws}/out"],
              words=(r"nonexistent",), outputs=("out",), issue="8"),
         Case("figures-results_is_a_file", "reject", ["figures", "--results", "{ws}/file.txt", "--out", "{ws}/out"],
@@ -826,6 +829,9 @@ def api_cases() -> list[Case]:
         case.outputs = ("good.json", "deep.json")
         if "exact" in case.id or "count" in case.id:
             case.timeout = T_WORK
+        # a count's CPU forward after a fork from the warmed-up process hangs in OpenMP (a harness
+        # artifact: a real `count` call starts its own process): it runs in a fresh interpreter
+        case.fresh = case.id == "api-numpy_int64_count"
     return cases
 
 

@@ -8,12 +8,12 @@ import time
 from pipeline.activations.points import DEFAULT_POINTS, POINT_SETS, PRECISION_BYTES
 from pipeline.core.arguments import positive_int
 from pipeline.inputs.configs import CONFIG_SOURCES
-from pipeline.core.paths import ACTIVATIONS, CONFIGS, MODELS
+from pipeline.core.paths import ACTIVATIONS, CONFIGS, DEFAULT_REGISTRY, MODELS
 
 
 def add_cli(subparsers) -> None:
     stage = subparsers.add_parser("activations", help="count parameters and activations of every registry model")
-    stage.add_argument("--registry", default="models.yaml")
+    stage.add_argument("--registry", default=DEFAULT_REGISTRY)
     stage.add_argument("--configs", default=CONFIGS, help="the configs stage's output")
     stage.add_argument("--models-out", default=MODELS)
     stage.add_argument("--activations-out", default=ACTIVATIONS)

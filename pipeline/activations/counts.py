@@ -13,6 +13,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 
+from pipeline.core.text import first_line
 from pipeline.activations.points import CPU_FORWARD_MAX_BYTES, FORWARD_SETTINGS
 from pipeline.activations.replay import Tally, replayed_layers
 from pipeline.inputs.modeling import architecture_facts, build_model
@@ -145,7 +146,7 @@ class ModelCounter:
             except PointTimeout:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure means: try the next path
-                errors.append(f"{path}: {one_line(exc)}")
+                errors.append(f"{path}: {first_line(exc)}")
                 continue
             if path != "cpu":
                 self.first_path[method] = path  # later points start where this one succeeded
@@ -224,11 +225,6 @@ def zero_weight_model(config, dtype: str):
             if param is not None:
                 module._parameters[name] = zeros[id(param)]
     return model
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
 
 
 def quiet_transformers():

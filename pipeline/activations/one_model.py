@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from pipeline.activations.counts import ModelCounter, one_line, quiet_transformers
+from pipeline.core.text import first_line
+from pipeline.activations.counts import ModelCounter, quiet_transformers
 from pipeline.activations.points import PRECISION_BYTES
 from pipeline.core.errors import UserError
 from pipeline.inputs.modeling import parameter_counts
-from pipeline.core.vocabulary import check_choice, check_positive_int
+from pipeline.core.vocabulary import MAX_BATCH, MAX_SEQ, MAX_TOKENS, check_choice, check_positive_int
 
 
 def count(model: str | None = None, config: str | None = None, dtype: str = "float32", batch: int | None = None,
@@ -21,16 +22,17 @@ def count(model: str | None = None, config: str | None = None, dtype: str = "flo
     check_choice("dtype", dtype, PRECISION_BYTES)
     if (batch is None) != (seq is None):
         raise UserError("give both --batch and --seq, or neither")
-    for name, value in (("batch", batch), ("seq", seq)):
-        if value is not None:
-            check_positive_int(name, value)
+    if batch is not None:
+        batch, seq = check_positive_int("batch", batch, MAX_BATCH), check_positive_int("seq", seq, MAX_SEQ)
+        if batch * seq > MAX_TOKENS:
+            raise UserError(f"batch x seq = {batch * seq:,} tokens is more than the {MAX_TOKENS:,} this project counts")
     quiet_transformers()
     resolved = resolve_model(model, config, config_source, registry)
     counter = ModelCounter(resolved.config)
     try:
         counts = parameter_counts(counter.model("float32"), resolved.config)
     except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is bad input here
-        raise UserError(f"{resolved.model_id}: the model cannot be built ({one_line(exc)})") from None
+        raise UserError(f"{resolved.model_id}: the model cannot be built ({first_line(exc)})") from None
     hook = counter.hook(1, 1)
     if hook.status != "ok":
         raise UserError(f"{resolved.model_id}: the forward failed ({hook.reason})")

@@ -53,6 +53,8 @@ SCAN_MAX_SEQ_LEN = 2048
 CPU_FORWARD_MAX_BYTES = 4 * 2**30
 # A safety net only (no registry point comes near it): a point still running then is an error.
 POINT_TIME_LIMIT_S = 60.0
+# Seconds one model may take in all (its build and every point); the slowest registry model takes 3.5 s.
+MODEL_TIME_LIMIT_S = 300.0
 
 
 def skip_reason(model_types, seq: int, context: int | None) -> str | None:

@@ -6,7 +6,8 @@ import gc
 import sys
 import time
 
-from pipeline.activations.counts import one_line, quiet_transformers
+from pipeline.core.text import first_line
+from pipeline.activations.counts import quiet_transformers
 from pipeline.activations.points import DEFAULT_POINTS, POINT_SETS, PointSet
 from pipeline.activations.table import ACTIVATION_COLUMNS, MODEL_COLUMNS, ModelJob, count_model
 from pipeline.core.errors import UserError
@@ -51,7 +52,7 @@ def _count_job(index: int):
     except Exception as exc:  # noqa: BLE001 - whatever happens to one model, the stage goes on
         return index, ({"model_id": job.model_id, "family": job.family, "model_type": job.model_type,
                         "config_source": job.config_source, "config_revision": job.config_revision,
-                        "status": "error", "reason": one_line(exc)}, [])
+                        "status": "error", "reason": first_line(exc)}, [])
 
 
 def _init_worker():
@@ -112,8 +113,8 @@ def _integer_columns(frame):
 
 def write_activations(registry_path, configs_path, models_out, activations_out, workers: int = 2,
                       model_ids: list[str] | None = None, points: str = DEFAULT_POINTS):
-    """The stage: count every registry model and write both tables (each whole or not at all)."""
-    from pipeline.core.io import write_parquet
+    """The stage: count every registry model and write both tables (together, or not at all)."""
+    from pipeline.core.io import written_together
 
     jobs = read_jobs(registry_path, configs_path)
     if model_ids:
@@ -123,6 +124,7 @@ def write_activations(registry_path, configs_path, models_out, activations_out, 
         jobs = [job for job in jobs if job.model_id in model_ids]
     check_choice("points", points, POINT_SETS)
     models, activations = count_all(jobs, workers, POINT_SETS[points])
-    write_parquet(models, models_out)
-    write_parquet(activations, activations_out)
+    with written_together([models_out, activations_out]) as (models_tmp, activations_tmp):
+        models.to_parquet(models_tmp, index=False)
+        activations.to_parquet(activations_tmp, index=False)
     return models, activations

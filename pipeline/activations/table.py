@@ -7,11 +7,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from pipeline.activations.counts import Measurement, ModelCounter, PointTimeout, one_line
+from pipeline.core.text import first_line
+from pipeline.activations.counts import Measurement, ModelCounter, PointTimeout
 from pipeline.activations.points import (
     DEFAULT_POINTS,
     HOOK_DTYPES,
     POINT_SETS,
+    MODEL_TIME_LIMIT_S,
     POINT_TIME_LIMIT_S,
     PRECISION_BYTES,
     PointSet,
@@ -56,26 +58,33 @@ def count_model(job: ModelJob, points: PointSet = POINT_SETS[DEFAULT_POINTS]):
     if job.config is None:
         model_row.update(status="error" if job.config_error else "skipped", reason=job.config_error or job.skip_reason)
     else:
+        deadline = start + MODEL_TIME_LIMIT_S
         try:
-            counter = ModelCounter(job.config)
-            model_row.update(architecture_facts(job.config))
-            counts = parameter_counts(counter.model("float32"), job.config)
+            with time_limit(MODEL_TIME_LIMIT_S):
+                counter = ModelCounter(job.config)
+                model_row.update(architecture_facts(job.config))
+                counts = parameter_counts(counter.model("float32"), job.config)
         except Exception as exc:  # noqa: BLE001 - a config transformers cannot build: the model is an error row
-            model_row.update(status="error", reason=one_line(exc))
+            model_row.update(status="error", reason=first_line(exc))
         else:
             model_row.update({k: counts[k] for k in MODEL_COLUMNS if k in counts},
                              is_moe=bool(counts["routed_expert_parameters"]))
             base["parameters"] = counts["parameters"]
             wanted = [("hook", "float32", b, s) for b, s in points.hook]
             wanted += [("saved", p, b, s) for p in points.precisions for b, s in points.saved]
-            rows = measure_points(counter, base, wanted, model_row["context_length"])
+            rows = measure_points(counter, base, wanted, model_row["context_length"], deadline)
+            failed = [row for row in rows if row["status"] == "error"]
+            if rows and len(failed) == len(rows):
+                model_row.update(status="error", reason=f"every count failed: {failed[0]['reason']}")
     model_row["seconds"] = round(time.perf_counter() - start, 3)
     return model_row, rows
 
 
-def measure_points(counter: ModelCounter, base: dict, wanted: list, context: int | None) -> list[dict]:
+def measure_points(counter: ModelCounter, base: dict, wanted: list, context: int | None,
+                   deadline: float | None = None) -> list[dict]:
     """One row per point (two per hook point: float32 and bfloat16 bytes); which points are counted
-    follows from the model and the point (points.skip_reason), never from timings."""
+    follows from the model and the point (points.skip_reason), never from timings; the time limits
+    (per point, and the model's `deadline`) are safety nets that no registry model comes near."""
     config = counter.config
     model_types = (getattr(config, "model_type", None), getattr(text_config(config), "model_type", None))
     rows = []
@@ -84,8 +93,11 @@ def measure_points(counter: ModelCounter, base: dict, wanted: list, context: int
         if reason:
             measurement = Measurement(status="skipped", reason=reason)
         else:
+            left = POINT_TIME_LIMIT_S if deadline is None else min(POINT_TIME_LIMIT_S, deadline - time.perf_counter())
             try:
-                with time_limit(POINT_TIME_LIMIT_S):
+                if left <= 0:
+                    raise PointTimeout(f"the model's time limit of {MODEL_TIME_LIMIT_S:.0f} s was reached")
+                with time_limit(left):
                     measurement = counter.hook(batch, seq) if method == "hook" else counter.saved(batch, seq, dtype)
             except PointTimeout as exc:
                 measurement = Measurement(status="error", reason=str(exc))

@@ -6,20 +6,24 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REGISTRY = REPO_ROOT / "models.yaml"
-DEFAULT_COEFFICIENTS = REPO_ROOT / "results" / "coefficients.json"
 
-# Stage outputs, relative to the working directory (the workflow runs in the repository root).
-CONFIGS = "results/configs.json"
-MODELS = "results/models.parquet"
-ACTIVATIONS = "results/activations.parquet"
-PEAKS = "results/peak_memory.parquet"
-PEAK_PARTS = "results/peak_memory_parts"
-SIMULATED = "results/simulated.parquet"
-COEFFICIENTS = "results/coefficients.json"
-VALIDATION = "results/validation.parquet"
+# Stage outputs: the checkout's own results/, resolved from the code's location, never from the
+# working directory (a command given no path reads and writes the project's files wherever it runs).
+RESULTS = REPO_ROOT / "results"
+CONFIGS = RESULTS / "configs.json"
+MODELS = RESULTS / "models.parquet"
+ACTIVATIONS = RESULTS / "activations.parquet"
+PEAKS = RESULTS / "peak_memory.parquet"
+PEAK_PARTS = RESULTS / "peak_memory_parts"
+SIMULATED = RESULTS / "simulated.parquet"
+COEFFICIENTS = RESULTS / "coefficients.json"
+VALIDATION = RESULTS / "validation.parquet"
+DATASET = RESULTS / "dataset"
+FIGURES = RESULTS / "figures"
 
 # The training settings beyond the standard step (Trainer, amp-fp16, optimizers, adapters): one
-# measured table per GPU and plan, with its split (held-out rows are never tuned on).
+# measured table per GPU and plan, with its split (held-out rows are never tuned on); named by their
+# path in the repository (a results folder holds them under the same names without "results/").
 SETTINGS_TABLES = {
     "results/trainer/h100/peak_memory.parquet": "tuned",
     "results/trainer_heldout/h100/peak_memory.parquet": "held-out",
@@ -29,6 +33,6 @@ SETTINGS_TABLES = {
     "results/lora/h100/peak_memory.parquet": "tuned",
     "results/lora_heldout/h100/peak_memory.parquet": "held-out",
 }
-SETTINGS_SIMULATED = "results/settings_simulated.parquet"
-SETTINGS_VALIDATION = "results/settings_validation.parquet"
-SETTINGS_SUMMARY = "results/settings_validation.md"
+SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
+SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"
+SETTINGS_SUMMARY = RESULTS / "settings_validation.md"

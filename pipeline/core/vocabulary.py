@@ -7,7 +7,10 @@ Units and the meaning of each word are in docs/definitions.md.
 
 from __future__ import annotations
 
+import numbers
+
 from pipeline.core.errors import UserError
+from pipeline.core.text import short
 
 # Precision modes of a training step: fp32 (weights, grads, optimizer state in fp32), bf16 (all
 # in bf16), amp-bf16 (fp32 weights and state, forward under bf16 autocast), amp-fp16 (the same
@@ -37,6 +40,7 @@ SHARDINGS = ("ddp", "fsdp", "fsdp-no-reshard")
 VARIANTS = ("standard", "blog")  # blog: the blog's own loop, loss = mean(logits)
 ATTENTIONS = ("default", "eager")  # as requested; default: the library's choice (sdpa)
 STATUSES = ("ok", "oom", "skipped", "error")
+SPLITS = ("tuned", "held-out")  # measured rows an estimator was tuned on, and rows kept out of every fit
 METHODS = ("blog", "heuristic", "formula", "exact")  # the estimators, in the order the validation reports them
 # Estimators fitted on the measurements: the validation also refits them without the validated model's family.
 REFITTED_METHODS = ("heuristic", "formula")
@@ -46,9 +50,30 @@ REFITTED_METHODS = ("heuristic", "formula")
 def check_choice(what: str, value, allowed) -> None:
     """UserError naming `what`, the value and the allowed ones, when `value` is not allowed."""
     if value not in allowed:
-        raise UserError(f"{what} {value!r} is not one of {', '.join(str(a) for a in allowed)}")
+        raise UserError(f"{what} {short(value)} is not one of {', '.join(str(a) for a in allowed)}")
 
 
-def check_positive_int(what: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"{what} must be a positive integer, got {value!r}")
+# The largest question any estimator takes (README, "Bad input"): beyond them no GPU exists, and the
+# exact simulator's time and the host memory of its inputs would grow without bound.
+MAX_BATCH = 1 << 20
+MAX_SEQ = 1 << 22
+MAX_TOKENS = 1 << 24  # batch x sequence of one micro-batch
+MAX_ACCUMULATION = 1024
+MAX_GPUS = 4096
+MAX_LORA_RANK = 4096
+
+
+def check_positive_int(what: str, value, limit: int | None = None) -> int:
+    """`value` as an int: a positive integer (a numpy integer too, never a bool), at most `limit`."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"{what} must be a positive integer, got {short(value)}")
+    if limit is not None and value > limit:
+        raise UserError(f"{what} {int(value):,} is more than the {limit:,} this project estimates")
+    return int(value)
+
+
+def check_bool(what: str, value) -> bool:
+    """`value` as a bool: True or False (numpy's too), never a number or a text such as "no"."""
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+        raise UserError(f"{what} must be true or false, not {short(value)}")
+    return bool(value)

@@ -41,11 +41,12 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
                         "with bf16 or fp16")
     if seq is None:
         raise UserError("the sequence length is required: --seq (seq=)")
-    run = Run(given["batch"], seq, given["precision"], optimizer, bool(given["checkpointing"]), attn_implementation,
+    run = Run(given["batch"], seq, given["precision"], optimizer,
+              False if given["checkpointing"] is None else given["checkpointing"], attn_implementation,
               expandable_segments, given["client"] or "loop", given["optim"],
               1 if given["gradient_accumulation"] is None else given["gradient_accumulation"], num_gpus, sharding,
               adapter)
-    return run, notes
+    return run, [*notes, *(adapter.notes if adapter is not None else ())]
 
 
 def estimate(model=None, config=None, params=None, *, batch=None, seq, precision=None, optimizer=None,

@@ -15,8 +15,8 @@ from pipeline.core.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECI
 
 def add_cli(subparsers) -> None:
     from pipeline.training.adapters import add_adapter_arguments
-    from pipeline.core.arguments import positive_int
-    from pipeline.core.paths import DEFAULT_COEFFICIENTS
+    from pipeline.core.arguments import positive_int, positive_number
+    from pipeline.core.paths import COEFFICIENTS
 
     parser = subparsers.add_parser("estimate", help="estimate the peak memory of a training step")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -45,10 +45,10 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--sharding", choices=SHARDINGS, default=None,
                         help="ddp, or FSDP2 per decoder layer and the root (fsdp: resharded after forward)")
     parser.add_argument("--method", choices=METHODS, default="heuristic")
-    parser.add_argument("--coefficients", default=None, help=f"coefficient file (default {DEFAULT_COEFFICIENTS})")
+    parser.add_argument("--coefficients", default=None, help=f"coefficient file (default {COEFFICIENTS})")
     gpu = parser.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", default=None, metavar="NAME", help=f"the GPU, one of: {', '.join(DEVICES)}")
-    gpu.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+    gpu.add_argument("--gpu-memory", type=positive_number, default=None, metavar="GIB",
                      help="the GPU's memory in GiB as nvidia-smi reports it (an 80 GB H100: 79.6)")
     parser.add_argument("--expandable-segments", action="store_true",
                         help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")

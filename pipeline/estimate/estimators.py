@@ -223,4 +223,8 @@ assert tuple(ESTIMATORS) == METHODS
 
 def config_dict(config) -> dict:
     """A config.json dict from a dict or a transformers config."""
-    return config if isinstance(config, dict) else config.to_dict()
+    if isinstance(config, dict):
+        return config
+    if hasattr(config, "to_dict") and getattr(config, "model_type", None):
+        return config.to_dict()
+    raise UserError(f"config must be a config.json path, its dict or a transformers config, not {type(config).__name__}")

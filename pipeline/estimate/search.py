@@ -3,34 +3,38 @@ peak grows with both)."""
 
 from __future__ import annotations
 
+from pipeline.core.vocabulary import MAX_BATCH, MAX_SEQ, MAX_TOKENS
 from pipeline.formulas.gpus import Device, outside_bytes
 from pipeline.estimate.estimators import ClosedFormEstimator, Estimator
 from pipeline.training.values import Run, Target
 from pipeline.estimate.verdict import judge
 
-BATCH_LIMIT = 2**24  # the search for the largest batch stops doubling here
-SEQ_LIMIT = 2**24  # ... and for the longest sequence, when the model has no context length
 
 
 def fits(estimator: Estimator, target: Target, run: Run, dev: Device) -> bool:
     return judge(estimator.predict(target, run), run, dev).fits
 
 
-def largest_batch(estimator: Estimator, target: Target, run: Run, dev: Device, limit: int = BATCH_LIMIT) -> int:
-    """The largest B that fits `dev` (0: none), for any estimator."""
+def largest_batch(estimator: Estimator, target: Target, run: Run, dev: Device, limit: int = MAX_BATCH) -> int:
+    """The largest B that fits `dev` (0: none), for any estimator; never beyond `limit` or the
+    project's largest question (vocabulary.MAX_BATCH, MAX_TOKENS)."""
+    limit = min(limit, MAX_BATCH, MAX_TOKENS // run.seq)
     guess = None
     if isinstance(estimator, ClosedFormEstimator):  # its allocated budget, for a first guess
         room = dev.total_bytes - outside_bytes(dev, run.precision, run.attn_implementation)
         budget = room / estimator.ratio["value"]
         guess = estimator.guess_batch(target, run, budget)
-    return largest(lambda batch: fits(estimator, target, run.with_batch(batch), dev), limit, guess)
+    return largest(lambda batch: fits(estimator, target, run.with_batch(batch), dev), limit, guess, exact_limit=True)
 
 
 def largest_seq(estimator: Estimator, target: Target, run: Run, dev: Device) -> int:
-    """The largest L that fits `dev` (0: none), at most the model's context length when known."""
+    """The largest L that fits `dev` (0: none), at most the model's context length when known and the
+    project's largest question (vocabulary.MAX_SEQ, MAX_TOKENS)."""
     from pipeline.inputs.modeling import context_length
 
-    limit = (context_length(target.config) if target.config is not None else None) or SEQ_LIMIT
+    limit = min(MAX_SEQ, MAX_TOKENS // run.batch)
+    context = context_length(target.config) if target.config is not None else None
+    limit = min(limit, context) if context else limit
     return largest(lambda seq: fits(estimator, target, run.with_seq(seq), dev), limit, None, exact_limit=True)
 
 

@@ -4,10 +4,13 @@ parameter count; the formula's target is read from config facts without torch or
 from __future__ import annotations
 
 import math
+import numbers
 from pathlib import Path
 
+from pipeline.inputs.checks import check_config_facts, plain_facts
 from pipeline.inputs.configs import read_config_file
 from pipeline.core.errors import UserError
+from pipeline.core.text import first_line, short
 from pipeline.estimate.estimators import ESTIMATORS, config_dict
 from pipeline.training.values import Target
 
@@ -17,19 +20,14 @@ def formula_target(model=None, config=None) -> Target:
     from pipeline.formulas.features import parameter_count, read_facts
 
     if model is not None:
-        from pipeline.inputs.configs import read_config_records
-        from pipeline.core.paths import CONFIGS
+        from pipeline.inputs.configs import model_facts
 
-        record = read_config_records(CONFIGS).get(model) if Path(CONFIGS).is_file() else None
-        if not record or record.get("status") != "ok":
-            raise UserError(f"{model}: method 'formula' reads config facts from {CONFIGS} or --config; not there")
-        config, label = record["config"], model
+        config, label = model_facts(model)[0], model
     elif isinstance(config, (str, Path)):
         config, label = read_config_file(config), str(config)
     else:
-        config, label = config_dict(config), "config"
-    if not isinstance(config.get("model_type"), str):
-        raise UserError(f"{label}: no model_type in the config")
+        config, label = plain_facts(config_dict(config)), "config"
+    check_config_facts(config, label)
     facts = read_facts(config)
     if not facts.hidden or not facts.layers or not facts.vocab:
         raise UserError(f"{label}: cannot read the model's shape ({', '.join(facts.unread)})")
@@ -65,23 +63,31 @@ def count_parameters(config) -> tuple[int, int]:
     try:
         counts = parameter_counts(build_model(config, "meta"), config)
     except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is bad input
-        raise UserError(f"config cannot be built: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+        raise UserError(f"config cannot be built: {first_line(exc, 200)}") from None
     return int(counts["parameters"]), int(counts["active_parameters"])
 
 
-def parse_parameter_count(params) -> int:
-    """N from an int or text such as '1543714304' or '1.5e9' (must be a positive whole number)."""
-    if isinstance(params, int) and not isinstance(params, bool) and params > 0:
-        return params
-    if isinstance(params, str) and params.strip().isdigit() and int(params) > 0:
-        return int(params)  # exact, even beyond float precision
-    try:
-        value = float(params)
-    except (TypeError, ValueError):
-        raise UserError(f"params {params!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0 or value != int(value):
-        raise UserError(f"params {params!r} must be a positive whole number")
-    return int(value)
+MAX_PARAMETERS = 10**14  # 100 trillion: far beyond any model
+
+
+def parse_parameter_count(params, name: str = "params") -> int:
+    """N from an integer (numpy's too, never a bool) or text such as '1543714304' or '1.5e9': a
+    positive whole number of at most MAX_PARAMETERS."""
+    if isinstance(params, bool) or not isinstance(params, (numbers.Real, str)):
+        raise UserError(f"{name} must be a number, not {short(params)}")
+    if isinstance(params, str) and params.strip().isdigit():
+        value = int(params)  # exact, even beyond float precision
+    else:
+        try:
+            value = float(params)
+        except (TypeError, ValueError, OverflowError):
+            raise UserError(f"{name} {short(params)} is not a number") from None
+        if not math.isfinite(value) or value != int(value):
+            raise UserError(f"{name} {short(params)} must be a positive whole number")
+        value = int(value)
+    if not 0 < value <= MAX_PARAMETERS:
+        raise UserError(f"{name} {short(params)} must be a positive whole number of at most {MAX_PARAMETERS:.0e}")
+    return value
 
 
 def resolve_target(model=None, config=None, params=None, method="heuristic", active_params=None) -> Target:
@@ -91,7 +97,7 @@ def resolve_target(model=None, config=None, params=None, method="heuristic", act
         if ESTIMATORS[method].needs_config:
             raise UserError(f"method {method!r} needs the model's shape: give a model or a config, not params")
         n = parse_parameter_count(params)
-        active = parse_parameter_count(active_params) if active_params is not None else None
+        active = parse_parameter_count(active_params, "active params") if active_params is not None else None
         if active is not None and active > n:
             raise UserError(f"active params {active} exceed params {n}")
         return Target(n, active_parameters=active)

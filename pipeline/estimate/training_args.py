@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pipeline.core.errors import UserError
 from pipeline.core.io import read_json_object
+from pipeline.core.text import short
 
 # Arguments that change memory in ways no estimator models: named in the answer's notes.
 UNMODELLED = {
@@ -24,12 +25,13 @@ def read_training_args(source) -> dict:
     gradient_accumulation, precision (amp-bf16 for bf16, amp-fp16 for fp16, else None: the weights'
     dtype decides), checkpointing, optim, and notes on what is not modelled."""
     args = _load(source)
-    if args.get("bf16") and args.get("fp16"):
+    flags = {key: _bool(args, key, source) for key in ("bf16", "fp16", "gradient_checkpointing")}
+    if flags["bf16"] and flags["fp16"]:
         raise UserError(f"{_label(source)}: bf16 and fp16 are both true")
-    precision = "amp-bf16" if args.get("bf16") else "amp-fp16" if args.get("fp16") else None
+    precision = "amp-bf16" if flags["bf16"] else "amp-fp16" if flags["fp16"] else None
     settings = {"client": "trainer", "batch": _int(args, "per_device_train_batch_size", source),
                 "gradient_accumulation": _int(args, "gradient_accumulation_steps", source),
-                "precision": precision, "checkpointing": bool(args.get("gradient_checkpointing", False)),
+                "precision": precision, "checkpointing": flags["gradient_checkpointing"],
                 "optim": _optim(args.get("optim"))}
     settings["notes"] = [f"training args: {what} is not modelled" for key, what in UNMODELLED.items()
                          if args.get(key) not in (None, False, "", [], {})]
@@ -44,7 +46,7 @@ def _load(source) -> dict:
 
 
 def _label(source) -> str:
-    return "training args" if isinstance(source, dict) else str(source)
+    return "training args" if isinstance(source, dict) else short(str(source), 200, quote=False)
 
 
 def _int(args: dict, key: str, source) -> int | None:
@@ -52,7 +54,17 @@ def _int(args: dict, key: str, source) -> int | None:
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UserError(f"{_label(source)}: {key} must be a positive integer, not {value!r}")
+        raise UserError(f"{_label(source)}: {key} must be a positive integer, not {short(value)}")
+    return value
+
+
+def _bool(args: dict, key: str, source) -> bool:
+    """A flag of the file: a JSON boolean (absent or null: false); "false" or 1 are refused, not guessed."""
+    value = args.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise UserError(f"{_label(source)}: {key} must be true or false (a JSON boolean), not {short(value)}")
     return value
 
 

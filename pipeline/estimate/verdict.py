@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 
 from pipeline.formulas.gpus import DEVICES, Device, custom_device, device, outside_bytes
 from pipeline.core.errors import UserError
+from pipeline.core.text import short
 from pipeline.training.values import GIB, Estimate, Run
 
 
@@ -65,11 +67,15 @@ def required_device(gpu, gpu_memory_gib) -> Device:
     return dev
 
 
+MAX_GPU_GIB = 1 << 16  # 64 TiB: far beyond any accelerator
+
+
 def gpu_memory_bytes(gib) -> int:
-    try:
-        value = float(gib)
-    except (TypeError, ValueError):
-        raise UserError(f"gpu memory {gib!r} is not a number of GiB") from None
-    if not math.isfinite(value) or value <= 0:
-        raise UserError(f"gpu memory {gib!r} must be a positive number of GiB")
+    """A GPU's memory in GiB as bytes: a positive finite number (numpy's too; never a bool or text)
+    of at most MAX_GPU_GIB."""
+    if isinstance(gib, bool) or not isinstance(gib, numbers.Real):
+        raise UserError(f"gpu memory must be a number of GiB, not {short(gib)}")
+    value = float(gib)
+    if not math.isfinite(value) or not 0 < value <= MAX_GPU_GIB:
+        raise UserError(f"gpu memory {short(gib)} GiB must be positive and at most {MAX_GPU_GIB:,} GiB")
     return int(value * GIB)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from pathlib import Path
 
 from pipeline.core.errors import UserError
 from pipeline.core.io import require_columns

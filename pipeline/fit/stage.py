@@ -167,6 +167,8 @@ def run_fit(models_path, activations_path, out_path, peaks_path=None, seed: int 
 
 
 def add_cli(subparsers) -> None:
+    from pipeline.core.arguments import non_negative_int, positive_int
+
     parser = subparsers.add_parser("fit", help="refit and cross-validate A = a*N + b; write coefficients.json")
     parser.add_argument("--models", default=MODELS)
     parser.add_argument("--activations", default=ACTIVATIONS)
@@ -175,8 +177,8 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--out", default=COEFFICIENTS)
     parser.add_argument("--comparison", default=None,
                         help="markdown table formula vs baselines (default: formula_comparison.md beside --out)")
-    parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument("--resamples", type=int, default=BOOTSTRAP_RESAMPLES)
+    parser.add_argument("--seed", type=non_negative_int, default=SEED)
+    parser.add_argument("--resamples", type=positive_int, default=BOOTSTRAP_RESAMPLES)
     parser.set_defaults(handler=_fit_command)
 
 

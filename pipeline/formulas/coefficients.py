@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 
 from pipeline.core.errors import UserError
+from pipeline.core.io import parse_json, read_input_text
 from pipeline.formulas.components import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, INTERMEDIATE_BUFFERS, STATE_BUFFERS,
                                WEIGHT_BYTES)
-from pipeline.core.paths import DEFAULT_COEFFICIENTS
+from pipeline.core.paths import COEFFICIENTS
 from pipeline.core.vocabulary import PRECISIONS
 
 SCHEMA_VERSION = 2  # 2: the closed-form activation formula ('activation_formula')
@@ -44,16 +45,9 @@ def check_coefficients(data, label: str = "coefficients") -> dict:
 def load_coefficients(path) -> dict:
     """Read a coefficient file; one-line UserError for a missing, unreadable, corrupted or other-version file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise UserError(f"{path}: coefficient file not found (make it with `python -m pipeline fit`)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: coefficient file is not readable ({type(exc).__name__})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: coefficient file is not valid JSON (line {exc.lineno}); it may be corrupted") from None
+    text = read_input_text(path, "coefficient file not found (make it with `python -m pipeline fit`)",
+                           "coefficient file is not readable")
+    data = parse_json(text, str(path), "coefficient file is not valid JSON; it may be corrupted")
     return check_coefficients(data, str(path))
 
 
@@ -62,10 +56,10 @@ def resolve_coefficients(coefficients) -> dict:
     if isinstance(coefficients, dict):
         return coefficients
     if coefficients is None:
-        if not DEFAULT_COEFFICIENTS.is_file():
-            raise UserError(f"{DEFAULT_COEFFICIENTS}: no coefficient file; run `python -m pipeline fit` "
+        if not COEFFICIENTS.is_file():
+            raise UserError(f"{COEFFICIENTS}: no coefficient file; run `python -m pipeline fit` "
                             "or pass --coefficients PATH")
-        coefficients = DEFAULT_COEFFICIENTS
+        coefficients = COEFFICIENTS
     return load_coefficients(coefficients)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.core.errors import UserError
+from pipeline.core.text import short
 
 MIB = 1 << 20
 
@@ -79,7 +80,7 @@ def device(name: str) -> Device:
 def custom_device(total_gib: float) -> Device:
     """A device given by its nvidia-smi total in GiB (the driver's reserve taken as the H200's)."""
     if isinstance(total_gib, bool) or not isinstance(total_gib, (int, float)) or not 0 < total_gib < 1 << 20:
-        raise UserError(f"gpu_memory_gib must be a positive number of GiB, not {total_gib!r}")
+        raise UserError(f"gpu_memory_gib must be a positive number of GiB, not {short(total_gib)}")
     return Device(f"{total_gib:g} GiB", round(total_gib * 1024), None, "given")
 
 

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.core.paths import CONFIGS, DEFAULT_REGISTRY
 from pipeline.core.errors import UserError
 from pipeline.core.io import read_json_object
+from pipeline.core.text import first_line, short
+from pipeline.inputs.checks import check_config_facts, plain_facts
+from pipeline.inputs.modeling import transformers_quiet
 from pipeline.inputs.registry import ModelEntry
 
 CONFIG_SOURCES = ("auto", "hub", "embedded")
@@ -29,24 +34,22 @@ class ResolvedConfig:
 
 
 def config_from_dict(facts: dict, label: str = "config") -> object:
-    """A transformers config from config.json-style facts; UserError for an unknown model_type."""
+    """A transformers config from config.json-style facts, checked first (`inputs.checks`), then by
+    transformers' own validation; any problem is a one-line UserError naming the config."""
     from transformers import CONFIG_MAPPING
 
-    model_type = facts.get("model_type")
-    if not model_type:
-        raise UserError(f"{label}: field 'model_type': missing")
+    label = short(label, 200, quote=False)
+    facts = plain_facts(facts)
+    check_config_facts(facts, label)
+    model_type = facts["model_type"]
     if model_type not in CONFIG_MAPPING:
-        raise UserError(f"{label}: field 'model_type': unknown model_type {model_type!r}")
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # defaults of unstated token ids warn, and they change no shape
+        raise UserError(f"{label}: field 'model_type': unknown model_type {short(model_type)}")
     try:
-        return CONFIG_MAPPING[model_type].from_dict(dict(facts))
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"{label}: {str(exc).splitlines()[0]}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
+        with transformers_quiet():
+            return CONFIG_MAPPING[model_type].from_dict(dict(facts))
+    except Exception as exc:  # noqa: BLE001 - transformers' validation errors have no common base class
+        raise UserError(f"{label}: {first_line(exc)}") from None
+
 
 
 def read_config_file(path) -> dict:
@@ -81,6 +84,8 @@ def resolve_config(entry: ModelEntry, mode: str = "auto", allow_remote_code: boo
     """The config of a registry entry, by `mode` (see module docstring)."""
     if mode not in CONFIG_SOURCES:
         raise UserError(f"config source {mode!r} is not one of {', '.join(CONFIG_SOURCES)}")
+    if entry.problem:
+        raise UserError(f"{short(entry.id, quote=False)}: {entry.problem}")
     if entry.trust_remote_code and not allow_remote_code:
         raise UserError(f"{entry.id}: needs trust_remote_code, which stays off unless you ask for it")
     if mode == "hub" or (mode == "auto" and not hub_is_offline()):
@@ -99,25 +104,47 @@ def resolve_config(entry: ModelEntry, mode: str = "auto", allow_remote_code: boo
 def resolve_model(model_id: str | None = None, config_path: str | None = None, mode: str = "auto",
                   registry_path=None, allow_remote_code: bool = False) -> ResolvedConfig:
     """The config for `--model ID` (registry entry, else the Hub) or `--config PATH`."""
-    from pipeline.core.paths import DEFAULT_REGISTRY
-    from pipeline.inputs.registry import load_registry
-
     if bool(model_id) == bool(config_path):
         raise UserError("give exactly one of --model and --config")
     if config_path:
         return config_from_file(config_path)
+    facts, source, revision = model_facts(model_id, mode, registry_path, allow_remote_code)
+    return ResolvedConfig(model_id, config_from_dict(facts, model_id), source, revision, facts)
+
+
+def model_facts(model_id: str, mode: str = "auto", registry_path=None,
+                allow_remote_code: bool = False) -> tuple[dict, str, str | None]:
+    """(config.json facts, source, revision) of a model id, without transformers: a registry entry's
+    (the Hub's config.json when `mode` allows and the Hub answers, else its embedded facts), or a
+    model outside the registry from the Hub. The registry is the package's own (its checkout's
+    models.yaml) unless `registry_path` names another; nothing is read from the working directory."""
+    from pipeline.inputs.registry import load_registry, safe_name
+
+    safe_name(model_id)  # owner/name, nothing path-like
     if mode == "auto" and not hub_is_offline() and not hub_reachable():
         mode = "embedded"  # one quick probe rather than a download's retries (~30 s) on an offline machine
     entries = {e.id: e for e in load_registry(registry_path or DEFAULT_REGISTRY, check_model_types=False)}
     if model_id in entries:
-        return resolve_config(entries[model_id], mode, allow_remote_code)
+        entry = entries[model_id]
+        if entry.problem:
+            raise UserError(f"{short(entry.id, quote=False)}: {entry.problem}")
+        if entry.trust_remote_code and not allow_remote_code:
+            raise UserError(f"{entry.id}: needs trust_remote_code, which stays off unless you ask for it")
+        if mode == "hub" or (mode == "auto" and not hub_is_offline()):
+            try:
+                facts, commit = download_config(entry.id, entry.revision)
+                return facts, "hub", commit
+            except Exception as exc:  # noqa: BLE001 - any Hub failure means: use the embedded facts
+                if mode == "hub":
+                    raise UserError(f"{entry.id}: config.json could not be downloaded ({type(exc).__name__})") from None
+        return dict(entry.config), "embedded", entry.revision
     if mode == "embedded" or hub_is_offline():
-        raise UserError(f"model {model_id!r} is not in the registry and the Hub is offline; use --config PATH")
+        raise UserError(f"model {short(model_id)} is not in the registry and the Hub is offline; use --config PATH")
     try:
         facts, commit = download_config(model_id)
     except Exception as exc:  # noqa: BLE001
-        raise UserError(f"{model_id}: config.json could not be downloaded ({type(exc).__name__})") from None
-    return ResolvedConfig(model_id, config_from_dict(facts, model_id), "hub", commit, facts)
+        raise UserError(f"{short(model_id)}: config.json could not be downloaded ({type(exc).__name__})") from None
+    return facts, "hub", commit
 
 
 def write_configs(registry_path, out_path, mode: str = "auto", allow_remote_code: bool = False) -> dict:
@@ -129,8 +156,12 @@ def write_configs(registry_path, out_path, mode: str = "auto", allow_remote_code
     from pipeline.inputs.registry import load_registry
 
     entries = load_registry(registry_path)
-    if mode == "auto" and not hub_is_offline() and not hub_reachable():
+    if mode != "embedded" and not hub_is_offline() and not hub_reachable():
+        if mode == "hub":
+            raise UserError("--source hub: the Hugging Face Hub does not answer (one probe); use --source auto or "
+                            "embedded for the registry's own facts")
         mode = "embedded"
+        print("configs: the Hub does not answer; the registry's embedded facts are used", file=sys.stderr)
     resolved = {}
     for entry in entries:
         record = {"family": entry.family, "model_type": entry.model_type, "facts_source": entry.source}
@@ -140,6 +171,9 @@ def write_configs(registry_path, out_path, mode: str = "auto", allow_remote_code
                           config=rc.facts)
         except UserError as exc:
             record.update(status="skipped", reason=str(exc), config_source=None, config_revision=None, config=None)
+        except Exception as exc:  # noqa: BLE001 - whatever one model's config does, the others go on
+            record.update(status="skipped", reason=first_line(exc), config_source=None, config_revision=None,
+                          config=None)
         resolved[entry.id] = record
     write_json(resolved, out_path)
     return resolved
@@ -182,8 +216,8 @@ def load_configs(path) -> dict[str, ResolvedConfig]:
 
 def add_cli(subparsers) -> None:
     parser = subparsers.add_parser("configs", help="resolve every registry model's config (Hub or embedded)")
-    parser.add_argument("--registry", default="models.yaml")
-    parser.add_argument("--out", default="results/configs.json")
+    parser.add_argument("--registry", default=DEFAULT_REGISTRY)
+    parser.add_argument("--out", default=CONFIGS)
     parser.add_argument("--source", choices=CONFIG_SOURCES, default="auto")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow remote code for entries that ask for it (off by default)")

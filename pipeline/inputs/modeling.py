@@ -5,14 +5,35 @@ in a precision's dtype, for training) and the facts read from a config or a buil
 
 from __future__ import annotations
 
+import contextlib
+
 from pipeline.inputs.aliases import FIELDS, names_of
 
 
+@contextlib.contextmanager
+def transformers_quiet():
+    """transformers' warnings off for the block (defaults of unstated token ids warn, and change no shape)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def context_length(config) -> int | None:
-    """The longest position the model takes (None when it has no limit, e.g. state-space models)."""
-    text = getattr(config, "get_text_config", lambda: config)()
+    """The longest position the model takes (None when it has no limit, e.g. state-space models);
+    `config` a transformers config or a config.json dict."""
+    if isinstance(config, dict):
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        get = text.get
+    else:
+        text = getattr(config, "get_text_config", lambda: config)()
+        get = lambda name: getattr(text, name, None)  # noqa: E731
     for name in FIELDS["context"]:
-        value = getattr(text, name, None)
+        value = get(name)
         if isinstance(value, int) and value > 0:
             return value
     return None

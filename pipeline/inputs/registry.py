@@ -13,7 +13,10 @@ from pathlib import Path
 import yaml
 
 from pipeline.core.errors import UserError
+from pipeline.core.io import read_input_text
 from pipeline.core.paths import DEFAULT_REGISTRY
+from pipeline.core.text import short
+from pipeline.inputs.modeling import transformers_quiet
 
 SCHEMA_PATH = Path(__file__).with_name("models.schema.json")
 
@@ -31,10 +34,11 @@ class ModelEntry:
     revision: str | None = None
     trust_remote_code: bool = False
     notes: str | None = None
+    problem: str | None = None  # why the entry cannot be used (its stages' rows say so); None: it can
 
     @property
-    def model_type(self) -> str:
-        return self.config["model_type"]
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
 
     @property
     def safe_name(self) -> str:
@@ -59,16 +63,65 @@ def load_schema() -> dict:
 def load_registry(path: str | Path = DEFAULT_REGISTRY, check_model_types: bool = True) -> list[ModelEntry]:
     """Read and validate a registry file; raise UserError with one line on the first problem."""
     path = Path(path)
+    data = read_yaml(read_input_text(path, "registry file not found", "not a readable registry"), str(path))
+    refused = refuse_expanding_entries(data)
+    if expanded_values(data, MAX_EXPANDED_VALUES) > MAX_EXPANDED_VALUES:
+        raise UserError(f"{short(str(path), 200, quote=False)}: its aliases expand to more than {MAX_EXPANDED_VALUES:,} values")
+    validate_registry_data(data, str(path), check_model_types=check_model_types)
+    return [_entry(item) for item in data["models"]] + refused
+
+
+def refuse_expanding_entries(data) -> list[ModelEntry]:
+    """The entries of `data["models"]` whose YAML aliases expand beyond MAX_ENTRY_VALUES, taken out
+    of `data` and kept as entries whose `problem` says so (their stages' rows give the reason)."""
+    if not isinstance(data, dict) or not isinstance(data.get("models"), list):
+        return []
+    kept, refused = [], []
+    for index, item in enumerate(data["models"]):
+        if expanded_values(item, MAX_ENTRY_VALUES) <= MAX_ENTRY_VALUES:
+            kept.append(item)
+            continue
+        model_id = item.get("id") if isinstance(item, dict) and isinstance(item.get("id"), str) else f"entry {index}"
+        family = item.get("family") if isinstance(item, dict) and isinstance(item.get("family"), str) else "?"
+        refused.append(ModelEntry(model_id, family, "", {}, problem=f"entry {index}: its YAML aliases expand to "
+                                  f"more than {MAX_ENTRY_VALUES:,} values"))
+    data["models"] = kept
+    return refused
+
+
+# Values a registry, and one of its entries, may expand to, each use of a YAML alias counted again:
+# 100 times the project's own, far below what nested aliases ("billion laughs") expand to.
+MAX_EXPANDED_VALUES = 2_000_000
+MAX_ENTRY_VALUES = 100_000
+
+
+def read_yaml(text: str, label: str):
+    """A YAML document (safe loader) whose aliases expand to at most MAX_EXPANDED_VALUES values; a
+    one-line UserError naming the line of what is wrong."""
     try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: registry file not found") from None
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise UserError(f"{path}:{where} is not valid YAML") from None
-    validate_registry_data(data, str(path), check_model_types=check_model_types)
-    return [_entry(item) for item in data["models"]]
+        problem = getattr(exc, "problem", None) or "not valid YAML"
+        raise UserError(f"{short(label, 200, quote=False)}:{where}: {short(problem, quote=False)}") from None
+    except (RecursionError, MemoryError):
+        raise UserError(f"{short(label, 200, quote=False)}: nested too deeply to read") from None
+    return data
+
+
+def expanded_values(data, limit: int) -> int:
+    """How many values `data` holds with every shared (aliased) part counted at each use; stops
+    counting past `limit`."""
+    count, stack = 0, [data]
+    while stack and count <= limit:
+        value = stack.pop()
+        count += 1
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return count
 
 
 def validate_registry_data(data, name: str = "models.yaml", check_model_types: bool = True) -> None:
@@ -81,9 +134,8 @@ def validate_registry_data(data, name: str = "models.yaml", check_model_types: b
     seen: dict[str, int] = {}
     for index, item in enumerate(data["models"]):
         if item["id"] in seen:
-            raise UserError(
-                f"{name}: entry {index} ({item['id']}): field 'id': duplicate of entry {seen[item['id']]}"
-            )
+            raise UserError(f"{name}: entry {index} ({short(item['id'], quote=False)}): field 'id': duplicate of entry "
+                            f"{seen[item['id']]}")
         seen[item["id"]] = index
     if check_model_types:
         for index, item in enumerate(data["models"]):
@@ -96,20 +148,20 @@ def _describe(error, data) -> str:
     if len(path) >= 2 and path[0] == "models" and isinstance(path[1], int):
         item = data["models"][path[1]]
         label = item.get("id", "?") if isinstance(item, dict) else "?"
-        where = f"entry {path[1]} ({label}): "
+        where = f"entry {path[1]} ({short(label, quote=False)}): "
         path = path[2:]
     if error.validator == "required":
         missing = re.search(r"'([^']+)' is a required property", error.message)
         field_path = ".".join(str(p) for p in path + [missing.group(1) if missing else "?"])
         return f"{where}field '{field_path}': missing"
     if error.validator == "additionalProperties":
-        return f"{where}{error.message}"
+        return f"{where}{short(error.message, 200, quote=False)}"
     field_path = ".".join(str(p) for p in path) or "(top level)"
-    return f"{where}field '{field_path}': {error.message}"
+    return f"{where}field '{short(field_path, quote=False)}': {short(error.message, 160, quote=False)}"
 
 
 def _check_config_facts(name: str, index: int, item: dict) -> None:
-    check_shape_facts(item["config"], f"{name}: entry {index} ({item['id']})", field_prefix="config.")
+    check_shape_facts(item["config"], f"{name}: entry {index} ({short(item['id'], quote=False)})", field_prefix="config.")
 
 
 def check_shape_facts(facts: dict, label: str, field_prefix: str = "") -> None:
@@ -124,11 +176,12 @@ def check_shape_facts(facts: dict, label: str, field_prefix: str = "") -> None:
     model_type = facts.get("model_type")
     if not model_type:
         raise UserError(f"{label}: field '{field_prefix}model_type': missing")
-    if model_type not in CONFIG_MAPPING:
-        raise UserError(f"{label}: field '{field_prefix}model_type': unknown model_type {model_type!r}")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise UserError(f"{label}: field '{field_prefix}model_type': unknown model_type {short(model_type)}")
     config_class = CONFIG_MAPPING[model_type]
     aliases = config_class.attribute_map
-    defaults = config_class()
+    with transformers_quiet():
+        defaults = config_class()
     for fact in REQUIRED_SHAPE_FACTS:
         if not hasattr(defaults, fact):
             continue

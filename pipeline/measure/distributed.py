@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from pipeline.core.errors import UserError
-from pipeline.core.paths import CONFIGS
+from pipeline.core.paths import CONFIGS, REPO_ROOT, RESULTS
 from pipeline.training.step import Setting
 from pipeline.core.vocabulary import PRECISIONS, SHARDINGS, check_choice
 
@@ -88,7 +88,8 @@ def measure_sharded_point(record, precision: str, sharding: str, batch: int, seq
 
     from pipeline.measure.clients.tracking import PhaseTracker
     from pipeline.measure.nvml import nvml_columns
-    from pipeline.measure.point import first_line, is_out_of_memory
+    from pipeline.core.text import first_line
+    from pipeline.measure.point import is_out_of_memory
 
     tracker = PhaseTracker(device)
     columns = {"status": "ok", "reason": None, "started_at": time.time()}
@@ -231,12 +232,14 @@ def _gpu_count() -> int:
 
 def add_cli(subparsers) -> None:
     """`python -m pipeline measure-distributed`: the several-GPU plan, one torchrun job per group."""
+    from pipeline.core.arguments import positive_int
+
     parser = subparsers.add_parser("measure-distributed",
                                    help="measure the standard step on several GPUs under DDP / FSDP2 (torchrun)")
-    parser.add_argument("--plan", default="config/sweep_distributed.yaml")
-    parser.add_argument("--out", default="results/distributed/peak_memory.parquet")
+    parser.add_argument("--plan", default=REPO_ROOT / "config" / "sweep_distributed.yaml")
+    parser.add_argument("--out", default=RESULTS / "distributed" / "peak_memory.parquet")
     parser.add_argument("--config", help="a config.json instead of the plan's model ids (tests)")
-    parser.add_argument("--devices", type=int, help="ranks a group may have (default: the GPUs there are)")
+    parser.add_argument("--devices", type=positive_int, help="ranks a group may have (default: the GPUs there are)")
     parser.add_argument("--dry-run", action="store_true")
     parser.set_defaults(handler=_measure_command)
 

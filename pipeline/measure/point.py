@@ -24,8 +24,9 @@ import os
 import time
 from dataclasses import asdict
 
+from pipeline.core.text import first_line
 from pipeline.core.errors import UserError
-from pipeline.core.vocabulary import ATTENTIONS, PRECISIONS, check_choice
+from pipeline.core.vocabulary import ATTENTIONS, PRECISIONS, WEIGHT_BYTES, check_choice
 from pipeline.inputs.modeling import attn_used, build, count_parameters
 from pipeline.inputs.records import ModelRecord
 from pipeline.measure.clients import client_module
@@ -58,11 +59,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
-
-
-def first_line(exc: BaseException, limit: int = 300) -> str:
-    text = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {text}"[:limit]
 
 
 def measure_point(model, setting: Setting, precision: str, batch: int, seq: int, device: str = "cuda",
@@ -132,6 +128,9 @@ def measure(record: ModelRecord, batch: int, seq: int, precision: str = "fp32", 
     unavailable = client_module(setting.client).unavailable(setting, device)
     if unavailable:
         return finish_row(row, status="skipped", reason=unavailable)
+    too_large = host_memory_shortfall(record, precision, device)
+    if too_large:
+        return finish_row(row, status="skipped", reason=too_large)
     try:
         model, built = build_point_model(record, setting, precision, attn, device)
     except UserError:
@@ -141,6 +140,19 @@ def measure(record: ModelRecord, batch: int, seq: int, precision: str = "fp32", 
     row.update(built, step_flops=6.0 * built["parameters"] * batch * seq * setting.gradient_accumulation)
     row.update(measure_point(model, setting, precision, batch, seq, device, record.use_cache))
     return finish_row(row)
+
+
+def host_memory_shortfall(record: ModelRecord, precision: str, device: str) -> str | None:
+    """Why a CPU run cannot fit in this machine's free memory (weights, gradients and AdamW's two
+    moments: four copies of the weights), or None; a CUDA run is the GPU's to refuse."""
+    if device != "cpu" or not record.parameters:
+        return None
+    needed = 4 * WEIGHT_BYTES[precision] * record.parameters
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed <= free:
+        return None
+    return f"a CPU run needs about {needed / 2**30:.1f} GiB of host memory for weights and optimizer state; " \
+           f"{free / 2**30:.1f} GiB are free"
 
 
 def build_point_model(record: ModelRecord, setting: Setting, precision: str, attn: str, device: str):

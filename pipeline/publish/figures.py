@@ -7,9 +7,10 @@ only on which tables exist: see `expected_figures`, which the Snakefile uses too
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from pipeline.core.paths import FIGURES as FIGURES_DIR
+from pipeline.core.paths import RESULTS
 from pipeline.core.errors import UserError
 
 GIB = 2**30
@@ -40,6 +41,8 @@ def draw_figures(results_dir="results", out_dir="results/figures", only=None) ->
 
     matplotlib.use("Agg")
     results_dir, out_dir = Path(results_dir), Path(out_dir)
+    if not results_dir.is_dir():
+        raise UserError(f"{results_dir}: no such results folder")
     unknown = sorted(set(only or ()) - set(FIGURES))
     if unknown:
         raise UserError(f"unknown figure {unknown[0]!r} (one of {', '.join(FIGURES)})")
@@ -70,11 +73,11 @@ def save(figure, path: Path) -> None:
 
 
 def read(results_dir: Path, name: str):
-    import pandas as pd
+    from pipeline.core.io import read_json_object, read_table
 
     if name.endswith(".json"):
-        return json.loads((results_dir / name).read_text())
-    return pd.read_parquet(results_dir / name)
+        return read_json_object(results_dir / name, "not found", "not a readable JSON file", "not a JSON object")
+    return read_table(results_dir / name, name.removesuffix(".parquet"))
 
 
 def no_data(ax, note: str) -> None:
@@ -456,8 +459,8 @@ DRAWERS = {
 
 def add_cli(subparsers) -> None:
     parser = subparsers.add_parser("figures", help="draw the figures (PNG) from the result tables")
-    parser.add_argument("--results", default="results", help="folder with the stage outputs")
-    parser.add_argument("--out", default="results/figures")
+    parser.add_argument("--results", default=RESULTS, help="folder with the stage outputs")
+    parser.add_argument("--out", default=FIGURES_DIR)
     parser.add_argument("--only", nargs="+", default=None, metavar="FIGURE", help=f"some of: {', '.join(FIGURES)}")
     parser.set_defaults(handler=_figures_command)
 

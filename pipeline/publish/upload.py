@@ -10,6 +10,7 @@ import re
 import sys
 from pathlib import Path
 
+from pipeline.core.paths import COEFFICIENTS, DATASET
 from pipeline.core.errors import UserError
 
 REPO_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*"
@@ -75,8 +76,8 @@ def _upload(plan: list[dict], dataset_dir, repo: str, token: str) -> str:
 
 def add_cli(subparsers) -> None:
     parser = subparsers.add_parser("publish", help="upload the dataset folder to a Hugging Face dataset repo")
-    parser.add_argument("--dataset", default="results/dataset")
-    parser.add_argument("--coefficients", default="results/coefficients.json")
+    parser.add_argument("--dataset", default=DATASET)
+    parser.add_argument("--coefficients", default=COEFFICIENTS)
     parser.add_argument("--repo", required=True, help="dataset repo, owner/name")
     parser.add_argument("--dry-run", action="store_true", help="list what would be uploaded, upload nothing")
     parser.add_argument("--manifest", default=None, help="write what was (or would be) uploaded as JSON here")
@@ -84,8 +85,10 @@ def add_cli(subparsers) -> None:
 
 
 def _publish_command(args) -> int:
-    from pipeline.core.io import write_json
+    from pipeline.core.io import output_path, write_json
 
+    if args.manifest:
+        output_path(args.manifest)  # a bad manifest path is refused before anything is uploaded
     try:
         manifest = publish(args.dataset, args.repo, args.coefficients, args.dry_run)
     except UserError:

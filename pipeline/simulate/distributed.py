@@ -40,7 +40,8 @@ def distributed_peak(config, run: Run) -> Estimate:
     from pipeline.inputs.modeling import build
     from pipeline.simulate.distributed_step import simulate_sharded_step
     from pipeline.simulate.distributed_world import fake_world, meta_fsdp
-    from pipeline.simulate.predict import as_config, check_loop, estimate_of, first_line, meta_attention
+    from pipeline.core.text import first_line
+    from pipeline.simulate.predict import as_config, check_loop, estimate_of, meta_attention
 
     start = time.perf_counter()
     check_loop(run)

@@ -7,7 +7,7 @@ import functools
 from pipeline.core.paths import CONFIGS, PEAKS, SIMULATED
 from pipeline.core.errors import UserError
 from pipeline.simulate.api import simulate
-from pipeline.simulate.predict import first_line
+from pipeline.core.text import first_line
 from pipeline.training.values import Run
 from pipeline.training.points import POINT_KEY, read_peaks
 

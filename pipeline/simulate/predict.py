@@ -9,6 +9,7 @@ import functools
 import json
 import time
 
+from pipeline.core.text import first_line
 from pipeline.core.errors import UserError
 from pipeline.core.vocabulary import check_choice
 from pipeline.training.values import Estimate, Run
@@ -103,7 +104,3 @@ def cached_meta_model(config_json: str, precision: str, attn_implementation: str
         raise
     except Exception as exc:  # noqa: BLE001 - transformers rejects some configs / attention choices
         raise UserError(f"the model cannot be built from this config: {first_line(exc)}") from None
-
-
-def first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:300]

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline.core.errors import UserError
 from pipeline.core.io import cell
 from pipeline.core.io import read_json_object
-from pipeline.core.vocabulary import ADAPTER_METHODS, QUANTIZATIONS, check_choice, check_positive_int
+from pipeline.core.text import short
+from pipeline.core.vocabulary import (ADAPTER_METHODS, MAX_LORA_RANK, QUANTIZATIONS, check_bool, check_choice,
+                                      check_positive_int)
 
 ALL_LINEAR = "all-linear"
 
@@ -44,6 +46,14 @@ def normalise_targets(targets) -> str:
     return ",".join(names)
 
 
+# adapter_config.json options that change memory in ways no estimator models (named in the notes),
+# and its options that must be JSON booleans.
+PEFT_UNMODELLED = {"use_dora": "DoRA (use_dora)", "modules_to_save": "modules_to_save (fully trained modules)",
+                   "bias": "trained biases (bias)", "layers_to_transform": "layers_to_transform",
+                   "rank_pattern": "per-module ranks (rank_pattern)"}
+PEFT_FLAGS = ("use_dora", "use_rslora", "fan_in_fan_out", "inference_mode")
+
+
 @dataclass(frozen=True)
 class AdapterSpec:
     """An adapter setting: LoRA of rank `r` (scale `alpha`, default 2r) on `targets`, on a base that
@@ -54,13 +64,15 @@ class AdapterSpec:
     alpha: int | None = None
     targets: str = ALL_LINEAR
     quantization: str | None = None
+    # what the adapter's config asks for that no estimator models (named in the answer's notes)
+    notes: tuple = field(default=(), compare=False)
 
     def __post_init__(self):
         check_choice("adapter method", self.method, ADAPTER_METHODS)
-        check_positive_int("lora r", self.r)
+        object.__setattr__(self, "r", check_positive_int("lora r", self.r, MAX_LORA_RANK))
         if self.alpha is None:
             object.__setattr__(self, "alpha", 2 * self.r)
-        check_positive_int("lora alpha", self.alpha)
+        object.__setattr__(self, "alpha", check_positive_int("lora alpha", self.alpha))
         object.__setattr__(self, "targets", normalise_targets(self.targets))
         quantization = self.quantization
         if self.method == "qlora" and quantization is None:
@@ -82,13 +94,19 @@ class AdapterSpec:
         lora_alpha and target_modules."""
         data = source if isinstance(source, dict) else _read_adapter_config(source)
         if data.get("peft_type", "LORA") != "LORA":
-            raise UserError(f"adapter config: peft_type {data.get('peft_type')!r} is not LORA")
+            raise UserError(f"adapter config: peft_type {short(data.get('peft_type'))} is not LORA")
         if "r" not in data:
             raise UserError("adapter config: no 'r' (the LoRA rank)")
         targets = data.get("target_modules")
         if targets is None:
             raise UserError("adapter config: no 'target_modules'")
-        return cls.make(data["r"], data.get("lora_alpha"), targets, quantization)
+        for flag in PEFT_FLAGS:
+            if data.get(flag) is not None:
+                check_bool(f"adapter config: {flag}", data[flag])
+        notes = tuple(f"adapter config: {what} is not modelled" for key, what in PEFT_UNMODELLED.items()
+                      if data.get(key) not in (None, False, [], "none"))
+        spec = cls.make(data["r"], data.get("lora_alpha"), targets, quantization)
+        return replace(spec, notes=notes)
 
     @property
     def target_names(self) -> list[str] | str:

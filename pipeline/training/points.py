@@ -5,7 +5,6 @@ validation read it (docs/architecture.md, "Tables")."""
 
 from __future__ import annotations
 
-from pipeline.core.errors import UserError
 from pipeline.core.io import read_table
 from pipeline.core.vocabulary import OPTIM_OF_LOOP_OPTIMIZER
 from pipeline.training.step import Setting

@@ -11,7 +11,8 @@ from pipeline.training.adapters import AdapterSpec
 from pipeline.core.errors import UserError
 from pipeline.formulas.components import optimizer_key
 from pipeline.training.step import Setting
-from pipeline.core.vocabulary import PRECISIONS, SHARDINGS, check_choice, check_positive_int
+from pipeline.core.vocabulary import (MAX_ACCUMULATION, MAX_BATCH, MAX_GPUS, MAX_SEQ, MAX_TOKENS, PRECISIONS, SHARDINGS,
+                                      check_bool, check_choice, check_positive_int)
 
 GIB = 2**30
 
@@ -41,12 +42,16 @@ class Run:
     variant: str = "standard"  # the loop's: the standard step, or the blog's own loop (vocabulary.VARIANTS)
 
     def __post_init__(self):
-        check_positive_int("batch", self.batch)
-        check_positive_int("seq", self.seq)
+        object.__setattr__(self, "batch", check_positive_int("batch", self.batch, MAX_BATCH))
+        object.__setattr__(self, "seq", check_positive_int("seq", self.seq, MAX_SEQ))
+        if self.batch * self.seq > MAX_TOKENS:
+            raise UserError(f"batch x seq = {self.batch * self.seq:,} tokens is more than the {MAX_TOKENS:,} this "
+                            "project estimates")
         check_choice("precision", self.precision, PRECISIONS)
         for name in ("checkpointing", "expandable_segments"):
-            if not isinstance(getattr(self, name), bool):
-                raise UserError(f"{name} must be true or false, not {getattr(self, name)!r}")
+            object.__setattr__(self, name, check_bool(name, getattr(self, name)))
+        object.__setattr__(self, "gradient_accumulation", check_positive_int(
+            "gradient_accumulation", self.gradient_accumulation, MAX_ACCUMULATION))
         setting = Setting(self.variant, self.optimizer, self.checkpointing, self.client, self.optim,
                           self.gradient_accumulation)
         setting.check()
@@ -55,7 +60,7 @@ class Run:
         self.check_sharding()
 
     def check_sharding(self) -> None:
-        check_positive_int("num_gpus", self.num_gpus)
+        object.__setattr__(self, "num_gpus", check_positive_int("num_gpus", self.num_gpus, MAX_GPUS))
         if self.sharding is None:
             if self.num_gpus > 1:
                 raise UserError(f"num_gpus {self.num_gpus} needs a sharding ({', '.join(SHARDINGS)})")

@@ -25,6 +25,7 @@ from pathlib import Path
 from pipeline.formulas.coefficients import reserved_ratio
 from pipeline.formulas.gpus import context_bytes
 from pipeline.core.errors import UserError
+from pipeline.core.text import first_line
 from pipeline.estimate.estimators import BlogEstimator, ExactEstimator, FormulaEstimator, HeuristicEstimator
 from pipeline.training.values import Estimate, Run, Target
 from pipeline.core.paths import COEFFICIENTS, CONFIGS, PEAKS, VALIDATION
@@ -258,7 +259,7 @@ def predicted_or_reason(row, source) -> tuple[float, float, str | None]:
     except UserError as exc:
         return math.nan, math.nan, str(exc)
     except Exception as exc:  # noqa: BLE001 - the simulator failing on one model is a row, not a crash
-        return math.nan, math.nan, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return math.nan, math.nan, first_line(exc, 200)
     reserved = estimated.reserved_bytes
     return float(estimated.peak_bytes), math.nan if reserved is None else float(reserved), None
 

@@ -20,15 +20,14 @@ keyed by the point and its device.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from pipeline.formulas.coefficients import reserved_ratio
 from pipeline.formulas.gpus import context_bytes
 from pipeline.core.errors import UserError
-from pipeline.core.vocabulary import METHODS
+from pipeline.core.vocabulary import SPLITS, check_choice
 from pipeline.estimate.estimators import BlogEstimator, ExactEstimator, FormulaEstimator, HeuristicEstimator
 from pipeline.training.values import Estimate, Run, Target
-from pipeline.core.paths import SETTINGS_SIMULATED, SETTINGS_SUMMARY, SETTINGS_TABLES, SETTINGS_VALIDATION
+from pipeline.core.paths import REPO_ROOT, SETTINGS_SIMULATED, SETTINGS_SUMMARY, SETTINGS_TABLES, SETTINGS_VALIDATION
 from pipeline.validate.peaks import error_summary, predicted_or_reason
 
 SETTING_KEY = ("model_id", "precision", "client", "optim", "optimizer", "gradient_accumulation",
@@ -260,8 +259,11 @@ def add_cli(subparsers) -> None:
 def _tables(paths: list | None) -> dict:
     """The tables given (PATH or PATH=SPLIT), else the committed ones present."""
     if paths:
-        return dict((p.split("=", 1) + ["tuned"])[:2] for p in paths)
-    found = {path: split for path, split in SETTINGS_TABLES.items() if Path(path).is_file()}
+        tables = dict((p.split("=", 1) + ["tuned"])[:2] for p in paths)
+        for split in tables.values():
+            check_choice("split", split, SPLITS)
+        return tables
+    found = {str(REPO_ROOT / path): split for path, split in SETTINGS_TABLES.items() if (REPO_ROOT / path).is_file()}
     if not found:
         raise UserError(f"no training-settings table found ({', '.join(SETTINGS_TABLES)})")
     return found

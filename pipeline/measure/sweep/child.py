@@ -15,7 +15,8 @@ import time
 
 from pipeline.measure.clients import ONE_POINT_PER_PROCESS, client_module
 from pipeline.measure.device import setup_device
-from pipeline.measure.point import base_columns, build_point_model, finish_row, first_line, measure_point
+from pipeline.core.text import first_line
+from pipeline.measure.point import base_columns, build_point_model, finish_row, measure_point
 from pipeline.measure.sweep.cost import build_seconds, point_seconds
 from pipeline.measure.sweep.jobs import Job, Point, step_flops
 from pipeline.measure.sweep.parts import (append_row, mark_done, oom_points, part_path, pending_points, prune_reason,

@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.core.paths import CONFIGS, PEAK_PARTS, PEAKS
+from pipeline.core.paths import CONFIGS, PEAKS, PEAK_PARTS, REPO_ROOT
 
-DEFAULT_PLAN = "config/sweep.yaml"
+DEFAULT_PLAN = REPO_ROOT / "config" / "sweep.yaml"
 
 
 def add_cli(subparsers) -> None:
-    from pipeline.core.arguments import positive_int
+    from pipeline.core.arguments import positive_int, positive_number
 
     parser = subparsers.add_parser("sweep", help="peak-memory sweep on the GPU (a CPU machine reuses the table)")
     parser.add_argument("--plan", default=DEFAULT_PLAN)
@@ -23,7 +23,7 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--parts", default=PEAK_PARTS, help="folder of per-process row files (resumable)")
     parser.add_argument("--out", default=PEAKS)
     parser.add_argument("--dry-run", action="store_true", help="print the plan and its estimated GPU time")
-    parser.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
+    parser.add_argument("--gpu-memory-gib", type=positive_number, metavar="GIB",
                         help="the device memory the dry run's estimate assumes (default: the plan's gpu_memory_gib)")
     parser.add_argument("--aggregate", action="store_true", help="only merge the parts into --out")
     parser.add_argument("--include", nargs="+", default=[], metavar="TABLE",
@@ -41,7 +41,7 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--precisions", nargs="+", metavar="P")
     parser.add_argument("--batch-sizes", nargs="+", type=positive_int, metavar="B")
     parser.add_argument("--seq-lens", nargs="+", type=positive_int, metavar="L")
-    parser.add_argument("--max-step-flops", type=float, metavar="FLOPS")
+    parser.add_argument("--max-step-flops", type=positive_number, metavar="FLOPS")
     parser.add_argument("--standard-only", action="store_true", help="leave out the plan's variants")
     parser.set_defaults(handler=_sweep_command)
 

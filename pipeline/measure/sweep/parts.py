@@ -9,7 +9,6 @@ import os
 import time
 from pathlib import Path
 
-from pipeline.core.errors import UserError
 from pipeline.core.paths import PEAKS
 from pipeline.training.step import Setting
 from pipeline.measure.sweep.jobs import Job, Point

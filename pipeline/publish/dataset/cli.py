@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pipeline.core.paths import DATASET, RESULTS
 from pipeline.publish.dataset.build import build_dataset
 from pipeline.publish.dataset.card import DEFAULT_REPO
 from pipeline.publish.dataset.failures import failure_line, failures
@@ -9,8 +10,8 @@ from pipeline.publish.dataset.failures import failure_line, failures
 
 def add_cli(subparsers) -> None:
     parser = subparsers.add_parser("dataset", help="build the Hugging Face dataset folder (parquet subsets + card)")
-    parser.add_argument("--results", default="results", help="folder with the stage outputs")
-    parser.add_argument("--out", default="results/dataset")
+    parser.add_argument("--results", default=RESULTS, help="folder with the stage outputs")
+    parser.add_argument("--out", default=DATASET)
     parser.add_argument("--figures", default=None, help="folder of PNG figures (default: RESULTS/figures)")
     parser.add_argument("--repo", default=DEFAULT_REPO, help="repo id shown in the card's loading example")
     parser.set_defaults(handler=_dataset_command)

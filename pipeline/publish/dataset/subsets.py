@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pipeline.core.errors import UserError
+from pipeline.core.io import read_json_object, read_table
 
 # subset -> (file under results/, what one row is). Order is the card's order.
 SUBSETS = {
@@ -40,13 +40,14 @@ def load_tables(results_dir) -> dict:
         if not path.exists():
             continue
         if subset == "coefficients":
-            tables[subset] = coefficients_table(json.loads(path.read_text()))
+            tables[subset] = coefficients_table(read_json_object(path, "not found", "not a readable coefficient file",
+                                                                "not a coefficient file"))
         elif subset == "features":
             tables[subset] = pd.DataFrame(features_table(path))
         elif subset == "training_settings":
             tables[subset] = settings_table(results_dir)
         else:
-            tables[subset] = pd.read_parquet(path)
+            tables[subset] = read_table(path, subset)
     if "models" not in tables:
         raise UserError(f"{results_dir}: models.parquet not found (run the activations stage first)")
     return tables
@@ -58,7 +59,7 @@ def settings_table(results_dir: Path):
 
     from pipeline.core.paths import SETTINGS_TABLES
 
-    frames = [pd.read_parquet(results_dir / Path(path).relative_to("results")).assign(split=split)
+    frames = [read_table(results_dir / Path(path).relative_to("results"), "training-settings").assign(split=split)
               for path, split in SETTINGS_TABLES.items() if (results_dir / Path(path).relative_to("results")).exists()]
     return pd.concat(frames, ignore_index=True)
 
