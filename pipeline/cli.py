@@ -27,6 +27,7 @@ STAGE_MODULES = (
     "pipeline.dataset",
     "pipeline.figures",
     "pipeline.publish",
+    "pipeline.serve",
 )
 
 

@@ -16,7 +16,7 @@ LAYERS = {
     "knowledge": ("devices", "formulas", "features", "hook_features", "coefficients", "formula_fit", "formula_peak",
                   "formula_regression", "line_fit", "peak_constants", "fit", "adapter_terms"),
     "answers": ("estimate", "validate", "validate_settings"),
-    "outputs": ("figures", "dataset", "publish"),
+    "outputs": ("figures", "dataset", "publish", "serve"),
     "entry": ("cli", "__main__", "__init__"),
 }
 RANK = {unit: rank for rank, units in enumerate(LAYERS.values()) for unit in units}
