@@ -27,6 +27,7 @@ STAGE_MODULES = (
     "pipeline.publish.dataset",
     "pipeline.publish.figures",
     "pipeline.publish.upload",
+    "pipeline.serve",
 )
 
 

@@ -1,0 +1,143 @@
+"""The Starlette application: the page (`GET /`, its files under `/static/`) and the JSON API.
+
+- `POST /api/estimate`: the keyword arguments of `pipeline.estimate.estimate` as a JSON object
+  (plus `"max_batch_size": true` or `"max_seq_len": true`); the answer is what
+  `python -m pipeline estimate ... --json` prints for the same options. `GET /api/estimate?model=...`
+  takes the same fields as a query (not the JSON-object ones): a link to an answer.
+- `GET /api/models`: the registry; `GET /api/gpus`: the GPU catalogue; `GET /api/accuracy`: each
+  method's measured accuracy; `GET /api/info`: the words of the options and the server's limits.
+
+Bad input is HTTP 400 with `{"error": "<one line>"}`; a body over the limit 413, a simulation past
+the time limit 503, anything unexpected 500, each with one line and no traceback (the traceback goes
+to the server's log). No state is kept between requests: the formula's questions run in a thread of
+this process (pure Python, no shared mutable state), the others in the simulator's process
+(`pipeline.serve.worker`), one at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from pipeline.core.errors import UserError
+from pipeline.core.text import first_line
+from pipeline.serve.catalogue import accuracy as accuracy_of_methods
+from pipeline.serve.catalogue import gpus as gpu_catalogue
+from pipeline.serve.catalogue import models as registry_models
+from pipeline.serve.questions import LIMITS, MAX_BODY_BYTES, answer, check, from_query, needs_torch, parse_body, to_json
+from pipeline.serve.worker import SimulationTimeout, Simulator, WorkerDied, log
+
+STATIC = Path(__file__).with_name("static")
+# A formula question answered at start: its modules are imported before the first page asks.
+WARM_FORMULA = {"model": "EleutherAI/pythia-14m", "batch": 1, "seq": 16, "precision": "bf16", "method": "formula"}
+# The page loads nothing from elsewhere (no CDN) and runs no inline script.
+HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; object-src 'none'; "
+                                      "base-uri 'none'; frame-ancestors 'self'",
+           "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def create_app(simulator: Simulator | None = None, timeout_s: float = 120.0, warm: bool = True) -> Starlette:
+    """The application; `simulator` (default: one worker process with `timeout_s` per question) runs
+    the questions that need torch."""
+    simulator = simulator or Simulator(timeout_s, warm)
+    lists = {}
+
+    def listed(name, make):
+        if name not in lists:
+            lists[name] = make()
+        return lists[name]
+
+    async def page(request: Request) -> Response:
+        return FileResponse(STATIC / "index.html", headers=HEADERS)
+
+    async def estimate_endpoint(request: Request) -> Response:
+        try:
+            if request.method == "POST":
+                question = parse_body(await read_body(request))
+            else:
+                question = from_query(request.query_params)
+            question = check(question)
+            if needs_torch(question):
+                result = await run_in_threadpool(simulator.ask, question)
+            else:
+                result = await run_in_threadpool(answer, question)
+        except UserError as exc:
+            return error(413 if str(exc).startswith("the request is over") else 400, str(exc))
+        except SimulationTimeout as exc:
+            return error(503, str(exc))
+        except WorkerDied as exc:
+            log(str(exc))
+            return error(500, str(exc))
+        return Response(to_json(result), media_type="application/json")
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(await run_in_threadpool(listed, "models", registry_models))
+
+    async def gpus(request: Request) -> Response:
+        return JSONResponse(listed("gpus", gpu_catalogue))
+
+    async def accuracy(request: Request) -> Response:
+        return JSONResponse(listed("accuracy", accuracy_of_methods))
+
+    async def info(request: Request) -> Response:
+        return JSONResponse(listed("info", lambda: server_info(simulator.timeout_s)))
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        return error(500, f"internal error: {first_line(exc)}")  # Starlette logs the traceback
+
+    def prepare():
+        """The lists and the formula's imports, before the first page asks for them."""
+        for name, make in (("models", registry_models), ("gpus", gpu_catalogue), ("accuracy", accuracy_of_methods)):
+            listed(name, make)
+        with contextlib.suppress(UserError):
+            answer(check(WARM_FORMULA))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        simulator.start()
+        threading.Thread(target=prepare, daemon=True).start()
+        try:
+            yield
+        finally:
+            simulator.close()
+
+    routes = [Route("/", page), Route("/api/estimate", estimate_endpoint, methods=["GET", "POST"]),
+              Route("/api/models", models), Route("/api/gpus", gpus), Route("/api/accuracy", accuracy),
+              Route("/api/info", info), Mount("/static", StaticFiles(directory=STATIC), name="static")]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={Exception: internal})
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused past MAX_BODY_BYTES (before reading it when the client says its length)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise UserError(f"the request is over the server's limit of {MAX_BODY_BYTES >> 20} MiB")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise UserError(f"the request is over the server's limit of {MAX_BODY_BYTES >> 20} MiB")
+    return bytes(body)
+
+
+def server_info(timeout_s: float) -> dict:
+    """The options' words (pipeline.core.vocabulary, the adapters' targets) and the server's limits."""
+    from pipeline.training.adapters import ALL_LINEAR
+    from pipeline.core.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, QUANTIZATIONS, SHARDINGS
+
+    return {"precisions": list(PRECISIONS), "clients": list(CLIENTS), "optimizers": list(OPTIMIZERS),
+            "optims": list(OPTIMS), "shardings": list(SHARDINGS), "quantizations": list(QUANTIZATIONS),
+            "methods": list(METHODS), "all_linear": ALL_LINEAR, "limits": LIMITS + f"; a simulation stops "
+            f"after {timeout_s:g} s", "timeout_s": timeout_s}

@@ -1,0 +1,171 @@
+"""A question to the server: the keyword arguments of `pipeline.estimate.estimate` (plus
+`"max_batch_size": true` or `"max_seq_len": true`), checked before anything runs, and its answer,
+which is what `python -m pipeline estimate ... --json` prints for the same options.
+
+What the server refuses that the command line allows (one `UserError` line each, HTTP 400): a path
+where the library takes a path or a dict (`config`, `training_args`, `peft_config`: the server reads
+no file of its host, it takes their JSON objects), another coefficient file, an attention
+implementation other than the library's default, sdpa or eager (a named kernel may be fetched
+from the Hub), and questions beyond `LIMITS`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+
+from pipeline.core.errors import UserError
+
+# The server's caps (one line in docs/serve.md): the body of a request, the tokens of one simulated step,
+# the GPU's memory (which bounds the searches), the GPUs of a sharded run, the micro-batches of one step
+# and the LoRA rank.
+MAX_BODY_BYTES = 1 << 20
+MAX_TOKENS = 1 << 24
+MAX_GPU_MEMORY_GIB = 1024
+MAX_NUM_GPUS = 1024
+MAX_GRADIENT_ACCUMULATION = 64
+MAX_LORA_RANK = 4096
+LIMITS = (f"the server refuses a request body over {MAX_BODY_BYTES >> 20} MiB, batch x seq over {MAX_TOKENS:,} "
+          f"tokens, a GPU over {MAX_GPU_MEMORY_GIB} GiB, more than {MAX_NUM_GPUS} GPUs, gradient accumulation "
+          f"over {MAX_GRADIENT_ACCUMULATION} and a LoRA rank over {MAX_LORA_RANK}")
+
+SEARCHES = ("max_batch_size", "max_seq_len")
+# Fields the server will not take from a request, and why.
+REFUSED = {"coefficients": "the server answers with its own coefficient file"}
+# Fields that are JSON objects (the library also takes a path: the server does not).
+OBJECTS = ("config", "training_args", "peft_config")
+INTEGERS = ("batch", "seq", "num_gpus", "gradient_accumulation", "lora_r", "lora_alpha")
+BOOLEANS = ("checkpointing", "expandable_segments", *SEARCHES)
+NUMBERS = ("gpu_memory_gib",)
+ATTENTION = (None, "sdpa", "eager")  # the library's default, or one of torch's own kernels
+
+
+def estimate_fields() -> tuple[str, ...]:
+    """The keyword arguments of `estimate` (a new option of the library is a new field here)."""
+    from pipeline.estimate import estimate
+
+    return tuple(name for name in inspect.signature(estimate).parameters)
+
+
+def fields() -> tuple[str, ...]:
+    return (*estimate_fields(), *SEARCHES)
+
+
+def check(question) -> dict:
+    """The question as keyword arguments, or a one-line UserError; None values are left out."""
+    if not isinstance(question, dict):
+        raise UserError("the request must be a JSON object of estimate's keyword arguments")
+    known = fields()
+    for name in question:
+        if name in REFUSED:
+            raise UserError(f"field {name!r} is not taken by the server: {REFUSED[name]}")
+        if name not in known:
+            raise UserError(f"unknown field {name!r}; the fields are estimate's keyword arguments: "
+                            f"{', '.join(n for n in known if n not in REFUSED)}")
+    q = {name: value for name, value in question.items() if value is not None}
+    for name in OBJECTS:
+        if name in q and not isinstance(q[name], dict):
+            raise UserError(f"{name} must be a JSON object (the content of the file); the server reads no paths")
+    for name in BOOLEANS:
+        if name in q and not isinstance(q[name], bool):
+            raise UserError(f"{name} must be true or false, not {q[name]!r}")
+    for name in INTEGERS:
+        if name in q and (not isinstance(q[name], int) or isinstance(q[name], bool) or q[name] <= 0):
+            raise UserError(f"{name} must be a positive integer, not {q[name]!r}")
+    if "lora_targets" in q and not (isinstance(q["lora_targets"], str) or (
+            isinstance(q["lora_targets"], list) and all(isinstance(t, str) for t in q["lora_targets"]))):
+        raise UserError("lora_targets must be all-linear or module names joined by commas")
+    if q.get("attn_implementation") not in ATTENTION:
+        raise UserError(f"attn_implementation {q['attn_implementation']!r} is not one of sdpa, eager "
+                        "(or left out: the library's default)")
+    for name in ("model", "gpu", "precision", "method", "client", "optimizer", "optim", "sharding", "quantization"):
+        if name in q and not isinstance(q[name], str):
+            raise UserError(f"{name} must be a string, not {q[name]!r}")
+    if q.get("max_batch_size") and q.get("max_seq_len"):
+        raise UserError("ask for one of max_batch_size and max_seq_len, not both")
+    if "seq" not in q and not q.get("max_seq_len"):
+        raise UserError("seq is required (unless max_seq_len)")
+    check_limits(q)
+    return q
+
+
+def check_limits(q: dict) -> None:
+    batch, seq = q.get("batch", 1), q.get("seq", 1)
+    if batch * seq > MAX_TOKENS:
+        raise UserError(f"batch x seq = {batch * seq:,} tokens is over the server's limit of {MAX_TOKENS:,}")
+    gib = q.get("gpu_memory_gib")
+    if isinstance(gib, (int, float)) and not isinstance(gib, bool) and math.isfinite(gib) and gib > MAX_GPU_MEMORY_GIB:
+        raise UserError(f"gpu_memory_gib {gib:g} is over the server's limit of {MAX_GPU_MEMORY_GIB} GiB")
+    for name, most in (("num_gpus", MAX_NUM_GPUS), ("gradient_accumulation", MAX_GRADIENT_ACCUMULATION),
+                       ("lora_r", MAX_LORA_RANK)):
+        if q.get(name, 0) > most:
+            raise UserError(f"{name} {q[name]} is over the server's limit of {most}")
+
+
+def from_query(params) -> dict:
+    """A question from a URL's query (GET /api/estimate?model=...&batch=4): the same fields, as text."""
+    question = {}
+    for name, text in params.items():
+        if name in OBJECTS:
+            raise UserError(f"{name} is a JSON object: POST it to /api/estimate")
+        if name in INTEGERS:
+            try:
+                question[name] = int(text)
+            except ValueError:
+                raise UserError(f"{name} must be a positive integer, not {text!r}") from None
+        elif name in NUMBERS:
+            try:
+                question[name] = float(text)
+            except ValueError:
+                raise UserError(f"{name} must be a number, not {text!r}") from None
+        elif name in BOOLEANS:
+            if text.lower() not in ("true", "false", "1", "0", ""):
+                raise UserError(f"{name} must be true or false, not {text!r}")
+            question[name] = text.lower() in ("true", "1", "")
+        else:
+            question[name] = text
+    return question
+
+
+def parse_body(body: bytes):
+    if len(body) > MAX_BODY_BYTES:
+        raise UserError(f"the request is over the server's limit of {MAX_BODY_BYTES >> 20} MiB")
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"the request is not JSON ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from None
+
+
+def needs_torch(q: dict) -> bool:
+    """Whether the answer builds the model (torch, transformers): every method but the formula,
+    unless a parameter count is all it is given."""
+    return q.get("method", "heuristic") != "formula" and "params" not in q
+
+
+def answer(q: dict) -> dict:
+    """The answer to a checked question: what `estimate ... --json` prints for the same options
+    (the command's own steps for a search: the largest value found, and the estimate at the given
+    batch or sequence, else at the largest found, at least 1)."""
+    from pipeline.estimate import estimate, max_batch_size, max_seq_len
+
+    kwargs = dict(q)
+    search_batch, search_seq = kwargs.pop("max_batch_size", False), kwargs.pop("max_seq_len", False)
+    if search_batch:
+        batch = kwargs.pop("batch", None)
+        found = max_batch_size(**kwargs)
+        result = estimate(**kwargs, batch=batch or max(found, 1))
+        result["max_batch_size"] = found
+    elif search_seq:
+        seq = kwargs.pop("seq", None)
+        found = max_seq_len(**kwargs)
+        result = estimate(**kwargs, seq=seq or max(found, 1))
+        result["max_seq_len"] = found
+    else:
+        result = estimate(**kwargs)
+    return result
+
+
+def to_json(result: dict) -> str:
+    """The answer as `estimate --json` prints it (pipeline/estimate/cli.py: json.dumps, indent 2)."""
+    return json.dumps(result, indent=2)

@@ -1,0 +1,776 @@
+// The calculator's page: builds the question from the form (the keyword arguments of
+// pipeline.estimate.estimate), asks the server for the formula's answer while the user types and
+// for the exact one after, and draws what comes back. Vanilla JS, no build step, nothing from a CDN.
+"use strict";
+
+const GIB = 2 ** 30;
+const MAX_UPLOAD = 1 << 20; // the server's limit on a request body
+const FORMULA_DELAY_MS = 150;
+const EXACT_DELAY_MS = 600;
+const SVG = "http://www.w3.org/2000/svg";
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  models: [], byId: new Map(), gpus: [], accuracy: {}, info: {},
+  gen: 0, q: null, formula: null, formulaError: null, exact: null, exactError: null,
+  searches: {}, curve: [], exactQueue: new Map(), exactBusy: false, timers: {},
+};
+
+const EXAMPLES = {
+  qlora: {model: "meta-llama/Llama-3.1-8B", batch: 4, seq: 4096, precision: "bf16", lora_r: 16,
+          quantization: "nf4", gpu: "RTX 4090"},
+  full7b: {model: "Qwen/Qwen2.5-7B", batch: 1, seq: 2048, precision: "bf16", gpu: "H100 80GB"},
+  trainer: {model: "HuggingFaceTB/SmolLM2-135M", batch: 8, seq: 1024, precision: "amp-bf16", client: "trainer",
+            optim: "adamw_torch_fused", gradient_accumulation: 4, gpu: "T4"},
+};
+const DEFAULT = {model: "meta-llama/Llama-3.2-1B", batch: 4, seq: 2048, precision: "bf16", gpu: "H100 80GB"};
+
+// The command line's flag of each field, in the order the copied command lists them.
+const FLAGS = [["batch", "--batch"], ["seq", "--seq"], ["precision", "--precision"], ["client", "--client"],
+  ["optimizer", "--optimizer"], ["optim", "--optim"], ["gradient_accumulation", "--gradient-accumulation"],
+  ["checkpointing", "--checkpointing"], ["lora_r", "--lora-r"], ["lora_alpha", "--lora-alpha"],
+  ["lora_targets", "--lora-targets"], ["quantization", "--quantization"], ["num_gpus", "--num-gpus"],
+  ["sharding", "--sharding"], ["gpu", "--gpu"], ["gpu_memory_gib", "--gpu-memory"],
+  ["expandable_segments", "--expandable-segments"]];
+const NUMBER_FIELDS = ["batch", "seq", "gradient_accumulation", "lora_r", "lora_alpha", "num_gpus", "gpu_memory_gib"];
+
+// Which field a server message is about: the first rule whose words it holds.
+const ERROR_FIELDS = [
+  ["adapters", /lora|quantiz|adapter|peft/i],
+  ["sharding", /sharding|num_gpus|GPUs/],
+  ["gpu", /\bgpu\b|gpu_memory|GiB/i],
+  ["gradient_accumulation", /accumulation/i],
+  ["optim", /\boptim\b|optim '/],
+  ["optimizer", /optimizer/i],
+  ["client", /client/i],
+  ["precision", /precision/i],
+  ["batch", /batch/i],
+  ["seq", /\bseq\b|sequence/i],
+];
+
+const NAMES = {parameters: "weights", gradients: "gradients", optimizer_state: "optimizer state",
+  optimizer_intermediates: "optimizer temporaries", activations: "activations", loss_backward: "logits and loss",
+  workspaces: "workspaces", unsharded_parameters: "unsharded parameters (FSDP)", all_gather: "all-gather buffers",
+  slack: "allocator slack (reserved − allocated)", outside: "outside PyTorch (CUDA context, driver)"};
+const COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#e15759", "#76b7b2", "#edc948", "#9c755f", "#ff9da7"];
+const SLACK_COLOR = "#c9c9c9", OUTSIDE_COLOR = "#7f7f7f";
+
+class FieldError extends Error {
+  constructor(field, message) { super(message); this.field = field; }
+}
+
+// ---------- formatting ----------
+const gib = (bytes) => `${(bytes / GIB).toFixed(2)} GiB`;
+const pct = (x) => `${(100 * x).toFixed(1)}%`;
+function count(n) {
+  if (n == null) return "?";
+  for (const [unit, size] of [["T", 1e12], ["B", 1e9], ["M", 1e6], ["k", 1e3]]) {
+    if (n >= size) return `${(n / size).toFixed(n >= 10 * size ? 0 : 1)}${unit}`;
+  }
+  return String(n);
+}
+function tokens(n) {
+  if (n >= 1 << 20) return `${+(n / (1 << 20)).toFixed(1)}M`;
+  if (n >= 1 << 10) return `${+(n / (1 << 10)).toFixed(1)}k`;
+  return String(n);
+}
+function sh(text) {
+  return /^[A-Za-z0-9_.\/:=,+@-]+$/.test(text) ? text : `'${text.replace(/'/g, `'\\''`)}'`;
+}
+function py(value) {
+  if (value === true) return "True";
+  if (value === false) return "False";
+  if (value === null) return "None";
+  return JSON.stringify(value);
+}
+function el(tag, attrs = {}, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text != null) node.textContent = text;
+  return node;
+}
+
+// ---------- the form ----------
+function fillSelect(id, values, labels = {}) {
+  const select = $(id);
+  select.replaceChildren(...values.map((v) => {
+    const option = document.createElement("option");
+    option.value = v; option.textContent = labels[v] || v;
+    return option;
+  }));
+}
+
+function numberOrText(id) {
+  const raw = $(id).value.trim();
+  if (raw === "") return undefined;
+  const n = Number(raw);
+  return Number.isFinite(n) ? n : raw; // the server names what is wrong with it
+}
+
+function question() {
+  const q = {};
+  const source = document.querySelector("input[name=source]:checked").value;
+  if (source === "model") {
+    const typed = $("model").value.trim();
+    if (!typed) throw new FieldError("model", "choose a model from the list, or type a Hugging Face id (owner/name)");
+    const model = resolveModel(typed);
+    if (!model) {
+      throw new FieldError("model", `no registry model is called ${JSON.stringify(typed)}: pick one from the list`);
+    }
+    q.model = model;
+  } else {
+    const text = $("config").value.trim();
+    if (!text) throw new FieldError("config", "paste a config.json, or choose the file");
+    let config;
+    try { config = JSON.parse(text); } catch (e) { throw new FieldError("config", `not valid JSON: ${e.message}`); }
+    if (config === null || typeof config !== "object" || Array.isArray(config)) {
+      throw new FieldError("config", "a config.json is a JSON object");
+    }
+    q.config = config;
+  }
+  for (const name of ["batch", "seq"]) {
+    const v = numberOrText(name);
+    if (v !== undefined) q[name] = v;
+  }
+  q.precision = $("precision").value;
+  const client = $("client").value;
+  if (client === "trainer") {
+    q.client = "trainer";
+    q.optim = $("optim").value;
+    const k = numberOrText("gradient_accumulation");
+    if (k !== undefined && k !== 1) q.gradient_accumulation = k;
+  } else if ($("optimizer").value !== "adamw") {
+    q.optimizer = $("optimizer").value;
+  }
+  if ($("checkpointing").checked) q.checkpointing = true;
+  const adapters = $("adapters").value;
+  if (adapters !== "none") {
+    const r = numberOrText("lora_r");
+    q.lora_r = r === undefined ? "" : r;
+    const alpha = numberOrText("lora_alpha");
+    if (alpha !== undefined) q.lora_alpha = alpha;
+    const targets = $("lora_targets").value.trim();
+    if (targets && targets !== state.info.all_linear) q.lora_targets = targets;
+    if (adapters === "qlora") q.quantization = $("quantization").value;
+  }
+  const gpus = numberOrText("num_gpus");
+  if (gpus !== undefined && gpus !== 1) q.num_gpus = gpus;
+  if ($("sharding").value) q.sharding = $("sharding").value;
+  if ($("gpu").value === "custom") {
+    const memory = numberOrText("gpu_memory_gib");
+    q.gpu_memory_gib = memory === undefined ? "" : memory;
+  } else {
+    q.gpu = $("gpu").value;
+  }
+  if ($("expandable_segments").checked) q.expandable_segments = true;
+  return q;
+}
+
+// A registry id, or the one registry model whose name (after the owner) is the text, or an owner/name id.
+function resolveModel(text) {
+  if (state.byId.has(text)) return text;
+  const lower = text.toLowerCase();
+  const hits = state.models.filter((m) => m.id.toLowerCase() === lower || m.id.toLowerCase().endsWith(`/${lower}`));
+  if (hits.length === 1) return hits[0].id;
+  return text.includes("/") ? text : null;
+}
+
+function setForm(q) {
+  const source = q.config ? "config" : "model";
+  document.querySelector(`input[name=source][value=${source}]`).checked = true;
+  if (q.model !== undefined) $("model").value = q.model;
+  if (q.config) $("config").value = JSON.stringify(q.config, null, 2);
+  $("batch").value = q.batch ?? "";
+  $("seq").value = q.seq ?? "";
+  $("precision").value = q.precision || "bf16";
+  $("client").value = q.client || "loop";
+  $("optimizer").value = q.optimizer || "adamw";
+  $("optim").value = q.optim || "adamw_torch_fused";
+  $("gradient_accumulation").value = q.gradient_accumulation ?? 1;
+  $("checkpointing").checked = !!q.checkpointing;
+  $("adapters").value = q.quantization ? "qlora" : q.lora_r ? "lora" : "none";
+  $("lora_r").value = q.lora_r ?? 16;
+  $("lora_alpha").value = q.lora_alpha ?? "";
+  $("lora_targets").value = q.lora_targets || state.info.all_linear || "all-linear";
+  $("quantization").value = q.quantization || "nf4";
+  $("num_gpus").value = q.num_gpus ?? 1;
+  $("sharding").value = q.sharding || "";
+  if (q.gpu_memory_gib !== undefined) {
+    $("gpu").value = "custom";
+    $("gpu_memory_gib").value = q.gpu_memory_gib;
+  } else {
+    $("gpu").value = q.gpu || DEFAULT.gpu;
+  }
+  $("expandable_segments").checked = !!q.expandable_segments;
+  showBoxes();
+}
+
+function showBoxes() {
+  const source = document.querySelector("input[name=source]:checked").value;
+  $("model-box").hidden = source !== "model";
+  $("config-box").hidden = source !== "config";
+  const trainer = $("client").value === "trainer";
+  $("optimizer-box").hidden = trainer;
+  $("optim-box").hidden = !trainer;
+  $("accumulation-box").hidden = !trainer;
+  const adapters = $("adapters").value;
+  for (const node of document.querySelectorAll(".lora-only")) node.hidden = adapters === "none";
+  $("quantization").disabled = adapters !== "qlora";
+  $("gpu-memory-box").hidden = $("gpu").value !== "custom";
+  modelHint();
+}
+
+function modelHint() {
+  const typed = $("model").value.trim();
+  const model = typed ? resolveModel(typed) : null;
+  const entry = model && state.byId.get(model);
+  let hint = "";
+  if (entry) {
+    hint = `${model === typed ? "" : `${model} · `}${entry.family} · ${entry.model_type} · ${count(entry.parameters)} parameters`
+      + (entry.active_parameters && entry.active_parameters !== entry.parameters ? ` (${count(entry.active_parameters)} active)` : "")
+      + (entry.context_length ? ` · context ${entry.context_length.toLocaleString("en")}` : "")
+      + (entry.trust_remote_code ? " · needs remote code, which the server does not run" : "");
+  } else if (model && model.includes("/")) {
+    hint = "not in the registry: its config.json is read from the Hugging Face Hub when the server can reach it";
+  }
+  $("model-hint").textContent = hint;
+}
+
+function writeHash(q) {
+  if (q.config) { history.replaceState(null, "", location.pathname); return; }
+  const params = new URLSearchParams();
+  for (const [k, v] of Object.entries(q)) params.set(k, String(v));
+  history.replaceState(null, "", `#${params}`);
+}
+
+function readHash() {
+  if (location.hash.length < 2) return null;
+  const q = {};
+  for (const [k, v] of new URLSearchParams(location.hash.slice(1))) {
+    q[k] = NUMBER_FIELDS.includes(k) ? Number(v) : v === "true" ? true : v;
+  }
+  return q.model ? q : null;
+}
+
+// ---------- errors beside the fields ----------
+function clearErrors() {
+  for (const node of document.querySelectorAll(".error")) node.textContent = "";
+  for (const node of document.querySelectorAll(".invalid")) node.classList.remove("invalid");
+}
+
+function fieldOf(message) {
+  const source = document.querySelector("input[name=source]:checked").value;
+  if (source === "config" && /config|model_type|field '|shape/i.test(message)) return "config";
+  for (const [field, words] of ERROR_FIELDS) if (words.test(message)) return field;
+  return source;
+}
+
+function showError(field, message) {
+  const box = $(`error-${field}`) || $(`error-${document.querySelector("input[name=source]:checked").value}`);
+  box.textContent = message;
+  const input = $(field);
+  if (input) input.classList.add("invalid");
+}
+
+// ---------- talking to the server ----------
+async function ask(q) {
+  const started = performance.now();
+  let status = 0, body;
+  try {
+    const response = await fetch("/api/estimate", {method: "POST", headers: {"Content-Type": "application/json"},
+                                                   body: JSON.stringify(q)});
+    status = response.status;
+    try { body = await response.json(); } catch { body = {error: `the server answered HTTP ${status}`}; }
+  } catch (e) {
+    body = {error: `the server cannot be reached (${e.message})`};
+  }
+  return {ok: status === 200, status, body, seconds: (performance.now() - started) / 1000};
+}
+
+function changed() {
+  showBoxes();
+  const gen = ++state.gen;
+  clearErrors();
+  clearTimeout(state.timers.formula);
+  clearTimeout(state.timers.exact);
+  state.exactQueue.clear();
+  Object.assign(state, {formula: null, formulaError: null, exact: null, exactError: null, searches: {}, curve: []});
+  let q;
+  try {
+    q = question();
+  } catch (e) {
+    if (!(e instanceof FieldError)) throw e;
+    showError(e.field, e.message);
+    setStatus("");
+    state.q = null;
+    render();
+    return;
+  }
+  state.q = q;
+  writeHash(q);
+  setStatus("formula: asking…");
+  render();
+  state.timers.formula = setTimeout(() => runFormula(gen, q), FORMULA_DELAY_MS);
+  state.timers.exact = setTimeout(() => queueExact(gen, "estimate", {...q, method: "exact"}), EXACT_DELAY_MS);
+}
+
+async function runFormula(gen, q) {
+  const f = {...q, method: "formula"};
+  const [main, batch, seq] = await Promise.all([ask(f), ask({...f, max_batch_size: true}),
+                                                ask({...f, max_seq_len: true})]);
+  if (gen !== state.gen) return;
+  if (!main.ok) {
+    state.formulaError = main.body.error;
+    if (!state.exact) {
+      clearErrors();
+      showError(fieldOf(main.body.error), main.body.error);
+    }
+    render();
+    return;
+  }
+  state.formula = main.body;
+  state.formulaSeconds = main.seconds;
+  state.searches.mbsFormula = batch.ok ? batch.body.max_batch_size : null;
+  state.searches.mslFormula = seq.ok ? seq.body.max_seq_len : null;
+  render();
+  const points = await Promise.all(curveSeqs(q).map((s) => ask({...f, seq: s})));
+  if (gen !== state.gen) return;
+  state.curve = points.filter((p) => p.ok).map((p) => p.body);
+  render();
+}
+
+function curveSeqs(q) {
+  const seq = Number(q.seq), batch = Number(q.batch) || 1;
+  if (!Number.isInteger(seq) || seq < 1) return [];
+  const entry = q.model ? state.byId.get(q.model) : null;
+  const context = entry && entry.context_length;
+  const seqs = new Set([seq]);
+  const k = Math.round(Math.log2(seq));
+  for (let i = k - 5; i <= k + 3; i++) {
+    const s = 2 ** i;
+    if (s >= 16 && (!context || s <= context) && batch * s <= 1 << 24) seqs.add(s);
+  }
+  return [...seqs].sort((a, b) => a - b);
+}
+
+// The exact simulations run one at a time on the server: the page keeps at most one of each kind
+// waiting (the latest question's) and drops those of a question that changed meanwhile.
+function queueExact(gen, kind, q) {
+  state.exactQueue.set(kind, {gen, q});
+  if (!state.exactBusy) pumpExact();
+}
+
+async function pumpExact() {
+  state.exactBusy = true;
+  while (state.exactQueue.size) {
+    const [kind, job] = state.exactQueue.entries().next().value;
+    state.exactQueue.delete(kind);
+    if (job.gen !== state.gen) continue;
+    const started = performance.now();
+    const tick = setInterval(() => setStatus(statusText(((performance.now() - started) / 1000).toFixed(0), kind)), 500);
+    setStatus(statusText(0, kind));
+    const result = await ask(job.q);
+    clearInterval(tick);
+    if (job.gen !== state.gen) continue;
+    if (kind === "estimate") {
+      if (result.ok) {
+        state.exact = result.body;
+        state.exactSeconds = result.seconds;
+        clearErrors();
+      } else {
+        state.exactError = result.body.error;
+        clearErrors();
+        showError(fieldOf(result.body.error), result.body.error);
+      }
+    } else {
+      const key = kind === "mbs" ? "max_batch_size" : "max_seq_len";
+      state.searches[`${kind}Exact`] = result.ok ? result.body[key] : `error: ${result.body.error}`;
+      state.searches[`${kind}Seconds`] = result.seconds;
+    }
+    render();
+  }
+  state.exactBusy = false;
+}
+
+function statusText(seconds, kind) {
+  const what = kind === "estimate" ? "exact: simulating the step" : kind === "mbs" ? "exact: searching the largest batch"
+    : "exact: searching the longest sequence";
+  return `${what}… ${seconds} s`;
+}
+
+function setStatus(text) { $("status").textContent = text; }
+
+// ---------- drawing the answer ----------
+function render() {
+  const a = state.exact || state.formula;
+  const answer = $("answer");
+  answer.dataset.method = a ? a.method : "";
+  answer.dataset.gen = String(state.gen);
+  if (!a) {
+    const v = $("verdict");
+    v.className = "verdict pending";
+    v.dataset.fits = "";
+    v.textContent = state.q ? (state.formulaError && !state.exactError ? "Waiting for the exact answer…" : state.exactError
+      ? "No answer: see the message beside the field." : "Estimating…") : "Fill in the question.";
+    for (const id of ["peak", "reserved", "headroom"]) { $(id).textContent = "–"; $(id).dataset.bytes = ""; }
+    $("method").textContent = "";
+    if (state.exactError) setStatus("");
+    // the exact method's message is beside the field; the formula's is a note while the exact one is awaited
+    $("notes").textContent = state.formulaError && state.q && !state.exactError ? `formula: ${state.formulaError}` : "";
+    $("bar").replaceChildren();
+    $("plot").replaceChildren();
+    renderSearches();
+    renderCopies(null);
+    return;
+  }
+  renderVerdict(a);
+  $("peak").textContent = gib(a.peak_bytes); $("peak").dataset.bytes = String(a.peak_bytes);
+  $("reserved").textContent = gib(a.peak_reserved_bytes); $("reserved").dataset.bytes = String(a.peak_reserved_bytes);
+  if ("headroom_bytes" in a) {
+    $("headroom").textContent = gib(a.headroom_bytes); $("headroom").dataset.bytes = String(a.headroom_bytes);
+  }
+  const method = $("method");
+  method.dataset.method = a.method;
+  method.replaceChildren(methodLabel(a.method, a === state.exact ? state.exactSeconds : state.formulaSeconds));
+  if (state.exact && state.formula) {
+    method.append(document.createElement("br"),
+      `formula said ${gib(state.formula.peak_bytes)} allocated, ${gib(state.formula.peak_reserved_bytes)} reserved`);
+  }
+  if (state.exact) setStatus("");
+  else if (state.exactError) setStatus(`exact: ${state.exactError}`);
+  const notes = [];
+  if (state.formulaError && state.exact) notes.push(`formula: ${state.formulaError}`);
+  if (a.expandable_segments_would_fit && !a.fits) {
+    notes.push("It fits with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (no segment fragmentation).");
+  }
+  $("notes").textContent = notes.join(" ");
+  drawBar(a);
+  renderSearches();
+  drawPlot(a);
+  renderCopies(a);
+}
+
+function methodLabel(method, seconds) {
+  const span = document.createElement("span");
+  const acc = state.accuracy[method];
+  const what = method === "exact" ? "the step simulated on meta tensors" : method === "formula"
+    ? "closed form from the config" : method;
+  let text = `method: ${method} (${what})`;
+  if (acc) {
+    text += ` · measured |error| of the peak: median ${pct(acc.median)}, 90th percentile ${pct(acc.p90)}, `
+      + `worst ${pct(acc.worst)} over ${acc.points.toLocaleString("en")} GPU peaks (${acc.basis})`;
+  }
+  if (seconds != null) text += ` · answered in ${seconds.toFixed(2)} s`;
+  span.textContent = text;
+  return span;
+}
+
+function gpuWords(a) {
+  return state.gpus.some((g) => g.name === a.gpu) ? `the ${a.gpu}` : `a GPU of ${a.gpu}`;
+}
+
+function gpuLabel(a) {
+  return state.gpus.some((g) => g.name === a.gpu) ? `${a.gpu}: ${gib(a.device_total_bytes)}` : `GPU: ${gib(a.device_total_bytes)}`;
+}
+
+function renderVerdict(a) {
+  const v = $("verdict");
+  if (!("fits" in a)) {
+    v.className = "verdict pending"; v.dataset.fits = ""; v.textContent = "No GPU chosen: no verdict."; return;
+  }
+  const perGpu = a.sharding ? ` (each of ${a.num_gpus} GPUs, ${a.sharding})` : "";
+  const head = a.fits ? `Fits on ${gpuWords(a)}${perGpu}: ${gib(a.headroom_bytes)} of headroom`
+    : `Does not fit on ${gpuWords(a)}${perGpu}: ${gib(-a.headroom_bytes)} short`;
+  const detail = `reserved ${gib(a.peak_reserved_bytes)} + ${gib(a.outside_bytes)} outside PyTorch `
+    + `${a.fits ? "≤" : ">"} ${gib(a.device_total_bytes)} (${a.method})`;
+  v.className = `verdict ${a.fits ? "fits" : "nofit"}`;
+  v.dataset.fits = String(a.fits);
+  const strong = document.createElement("strong");
+  strong.textContent = head;
+  const small = document.createElement("small");
+  small.textContent = detail;
+  v.replaceChildren(strong, small);
+}
+
+function renderSearches() {
+  const q = state.q || {};
+  $("mbs-label").textContent = `largest batch${q.seq ? ` at seq ${q.seq}` : ""}`;
+  $("msl-label").textContent = `longest sequence${q.batch ? ` at batch ${q.batch}` : ""}`;
+  for (const kind of ["mbs", "msl"]) {
+    const f = state.searches[`${kind}Formula`];
+    $(`${kind}-formula`).textContent = f == null ? "–" : f === 0 ? "0: none fits" : String(f);
+    $(`${kind}-formula`).dataset.value = f == null ? "" : String(f);
+    const e = state.searches[`${kind}Exact`];
+    const seconds = state.searches[`${kind}Seconds`];
+    $(`${kind}-exact`).textContent = e == null ? "" : typeof e === "number"
+      ? `${e === 0 ? "0: none fits" : e} (${seconds.toFixed(1)} s)` : e;
+    $(`${kind}-exact`).dataset.value = typeof e === "number" ? String(e) : "";
+    $(`${kind}-run`).disabled = !state.q;
+  }
+}
+
+function drawBar(a) {
+  const parts = Object.entries(a.components || {}).filter(([, v]) => v > 0)
+    .map(([k, v], i) => ({name: NAMES[k] || k, key: k, bytes: v, color: COLORS[i % COLORS.length]}));
+  const sum = parts.reduce((s, p) => s + p.bytes, 0);
+  if (a.peak_reserved_bytes > sum) parts.push({name: NAMES.slack, key: "slack", bytes: a.peak_reserved_bytes - sum, color: SLACK_COLOR});
+  if (a.outside_bytes) parts.push({name: NAMES.outside, key: "outside", bytes: a.outside_bytes, color: OUTSIDE_COLOR});
+  const total = parts.reduce((s, p) => s + p.bytes, 0);
+  const gpu = a.device_total_bytes || 0;
+  const W = 640, H = 64, left = 8, right = 8, top = 18, barH = 28;
+  const scale = (W - left - right) / Math.max(total, gpu) / 1.04;
+  const svg = el("svg", {viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "components of the peak"});
+  let x = left;
+  for (const p of parts) {
+    const w = p.bytes * scale;
+    const rect = el("rect", {x, y: top, width: Math.max(w, 0.5), height: barH, fill: p.color});
+    rect.append(el("title", {}, `${p.name}: ${gib(p.bytes)}`));
+    svg.append(rect);
+    x += w;
+  }
+  if (gpu) {
+    const gx = left + gpu * scale;
+    svg.append(el("line", {x1: gx, x2: gx, y1: 8, y2: top + barH + 6, stroke: "#c0392b", "stroke-width": 2}));
+    const anchor = gx < 110 ? "start" : gx > W - 110 ? "end" : "middle";
+    svg.append(el("text", {x: anchor === "start" ? gx - 2 : Math.min(gx, W - 4), y: 12, "text-anchor": anchor,
+                           class: "gpu-label"}, gpuLabel(a)));
+  }
+  svg.append(el("text", {x: left, y: H - 2, class: "axis"}, "0"));
+  const legend = document.createElement("ul");
+  legend.className = "legend";
+  for (const p of parts) {
+    const li = document.createElement("li");
+    const swatch = el("svg", {width: 12, height: 12, viewBox: "0 0 12 12"});
+    swatch.append(el("rect", {width: 12, height: 12, fill: p.color}));
+    li.append(swatch, ` ${p.name} `);
+    const b = document.createElement("b");
+    b.textContent = gib(p.bytes);
+    b.dataset.component = p.key;
+    b.dataset.bytes = String(p.bytes);
+    li.append(b);
+    legend.append(li);
+  }
+  const caption = document.createElement("p");
+  caption.className = "hint";
+  const formula = (a.peak_formula || "").trim();
+  caption.textContent = `${a.method}${a.peak_phase ? `, peak in the ${a.peak_phase}` : ""}: ${formula}`
+    + `${formula && !formula.endsWith(".") ? "." : ""} After the parts: the allocator's cached slack and what CUDA `
+    + "takes outside PyTorch; the red line is the GPU.";
+  $("bar").replaceChildren(svg, legend, caption);
+}
+
+function drawPlot(a) {
+  const curve = state.curve.filter((p) => p.batch_size === a.batch_size);
+  const marks = [state.formula, state.exact].filter(Boolean);
+  const all = [...curve, ...marks];
+  if (!all.length) { $("plot").replaceChildren(); return; }
+  const W = 640, H = 300, L = 56, R = 16, T = 16, B = 40;
+  const tok = (p) => p.batch_size * p.seq_len;
+  const used = (p) => p.peak_reserved_bytes + (p.outside_bytes || 0);
+  const gpu = a.device_total_bytes || 0;
+  const xs = all.map(tok);
+  let x0 = Math.log2(Math.min(...xs)), x1 = Math.log2(Math.max(...xs));
+  if (x1 - x0 < 2) { x0 -= 1; x1 += 1; }
+  const highest = Math.max(gpu, ...all.map(used));
+  const logY = highest > 3 * Math.max(gpu, 1);  // far beyond the GPU: a log scale keeps both in view
+  const ymax = (logY ? highest * 1.3 : Math.max(gpu * 1.5, ...marks.map((p) => used(p) * 1.1))) / GIB;
+  const ymin = logY ? Math.min(gpu || Infinity, ...all.map((p) => p.peak_bytes)) / 1.3 / GIB : 0;
+  const X = (t) => L + (Math.log2(t) - x0) / (x1 - x0) * (W - L - R);
+  const Y = (bytes) => T + (1 - (logY ? Math.log(bytes / GIB / ymin) / Math.log(ymax / ymin) : bytes / GIB / ymax))
+    * (H - T - B);
+  const svg = el("svg", {viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "peak against tokens"});
+  const clip = el("clipPath", {id: "plot-area"});
+  clip.append(el("rect", {x: L, y: T, width: W - L - R, height: H - T - B}));
+  svg.append(clip);
+  // axes and ticks
+  svg.append(el("line", {x1: L, x2: W - R, y1: H - B, y2: H - B, class: "frame"}));
+  svg.append(el("line", {x1: L, x2: L, y1: T, y2: H - B, class: "frame"}));
+  for (let k = Math.ceil(x0); k <= Math.floor(x1); k++) {
+    const x = X(2 ** k);
+    svg.append(el("line", {x1: x, x2: x, y1: T, y2: H - B, class: "grid"}));
+    svg.append(el("text", {x, y: H - B + 14, "text-anchor": "middle", class: "axis"}, tokens(2 ** k)));
+  }
+  const ticks = [];
+  if (logY) {
+    for (let e = Math.floor(Math.log10(ymin)); e <= Math.ceil(Math.log10(ymax)); e++) {
+      for (const m of [1, 2, 5]) { const v = m * 10 ** e; if (v >= ymin && v <= ymax) ticks.push(v); }
+    }
+  } else {
+    const step = niceStep(ymax / 5);
+    for (let v = 0; v <= ymax + 1e-9; v += step) ticks.push(v);
+  }
+  for (const v of ticks) {
+    const y = Y(v * GIB);
+    svg.append(el("line", {x1: L, x2: W - R, y1: y, y2: y, class: "grid"}));
+    svg.append(el("text", {x: L - 6, y: y + 4, "text-anchor": "end", class: "axis"}, `${+v.toFixed(1)}`));
+  }
+  svg.append(el("text", {x: (L + W - R) / 2, y: H - 6, "text-anchor": "middle", class: "axis"},
+    `tokens per step per GPU (batch ${a.batch_size} × sequence length)`));
+  svg.append(el("text", {x: 12, y: (T + H - B) / 2, transform: `rotate(-90 12 ${(T + H - B) / 2})`,
+                         "text-anchor": "middle", class: "axis"}, logY ? "GiB (log scale)" : "GiB"));
+  const area = el("g", {"clip-path": "url(#plot-area)"});
+  if (gpu) {
+    area.append(el("line", {x1: L, x2: W - R, y1: Y(gpu), y2: Y(gpu), class: "gpu-line"}));
+    svg.append(el("text", {x: W - R - 4, y: Y(gpu) - 5, "text-anchor": "end", class: "gpu-label"}, gpuLabel(a)));
+  }
+  if (curve.length > 1) {
+    const path = (f) => curve.map((p, i) => `${i ? "L" : "M"}${X(tok(p)).toFixed(1)},${Y(f(p)).toFixed(1)}`).join(" ");
+    area.append(el("path", {d: path((p) => p.peak_bytes), class: "curve-peak"}));
+    area.append(el("path", {d: path(used), class: "curve-used"}));
+  }
+  for (const p of marks) {
+    const exact = p.method === "exact";
+    const c = el("circle", {cx: X(tok(p)), cy: Y(used(p)), r: exact ? 5 : 4, class: exact ? "mark-exact" : "mark-formula"});
+    c.append(el("title", {}, `${p.method}: ${gib(used(p))} reserved + outside at ${tok(p)} tokens`));
+    area.append(c);
+  }
+  svg.append(area);
+  const legend = document.createElement("ul");
+  legend.className = "legend";
+  const items = [["curve-peak", "formula: peak allocated"], ["curve-used", "formula: reserved + outside PyTorch (the verdict's side)"],
+    ["gpu-line", "the GPU"], ["mark-formula", "this question, formula"], ["mark-exact", "this question, exact"]];
+  for (const [cls, text] of items) {
+    const li = document.createElement("li");
+    const s = el("svg", {width: 18, height: 12, viewBox: "0 0 18 12"});
+    s.append(cls.startsWith("mark") ? el("circle", {cx: 9, cy: 6, r: 4, class: cls})
+      : el("line", {x1: 0, x2: 18, y1: 6, y2: 6, class: cls}));
+    li.append(s, ` ${text}`);
+    legend.append(li);
+  }
+  $("plot").replaceChildren(svg, legend);
+}
+
+function niceStep(raw) {
+  const p = 10 ** Math.floor(Math.log10(raw));
+  for (const m of [1, 2, 2.5, 5, 10]) if (raw <= m * p) return m * p;
+  return 10 * p;
+}
+
+// ---------- the same question elsewhere ----------
+function renderCopies(a) {
+  const q = state.q;
+  if (!q) { $("cli").textContent = ""; $("python").textContent = ""; $("json-link").removeAttribute("href"); return; }
+  const method = a ? a.method : "formula";
+  $("cli").textContent = cliCommand(q, method);
+  $("python").textContent = pythonCode(q, method);
+  const link = $("json-link");
+  if (state.blobUrl) { URL.revokeObjectURL(state.blobUrl); state.blobUrl = null; }
+  if (q.model) {
+    const params = new URLSearchParams();
+    for (const [k, v] of Object.entries({...q, method})) params.set(k, String(v));
+    link.href = `/api/estimate?${params}`;
+  } else if (a) {
+    state.blobUrl = URL.createObjectURL(new Blob([JSON.stringify(a, null, 2)], {type: "application/json"}));
+    link.href = state.blobUrl;
+  } else {
+    link.removeAttribute("href");
+  }
+}
+
+function cliCommand(q, method) {
+  const parts = ["python -m pipeline estimate", q.model ? `--model ${sh(q.model)}` : "--config config.json"];
+  for (const [key, flag] of FLAGS) {
+    if (q[key] === undefined || q[key] === false) continue;
+    parts.push(q[key] === true ? flag : `${flag} ${sh(String(q[key]))}`);
+  }
+  parts.push(`--method ${method}`, "--json");
+  return parts.join(" ");
+}
+
+function pythonCode(q, method) {
+  const lines = ["from pipeline.estimate import estimate", ""];
+  const args = [q.model ? `model=${py(q.model)}` : `config="config.json"`];
+  for (const [key] of FLAGS) if (q[key] !== undefined) args.push(`${key}=${py(q[key])}`);
+  args.push(`method=${py(method)}`);
+  lines.push(`answer = estimate(${args.join(", ")})`);
+  lines.push(`print(answer["peak_bytes"], answer.get("fits"))`);
+  return lines.join("\n");
+}
+
+async function copy(id, button) {
+  const text = $(id).textContent;
+  try {
+    await navigator.clipboard.writeText(text);
+    button.textContent = "copied";
+  } catch {
+    const range = document.createRange();
+    range.selectNodeContents($(id));
+    getSelection().removeAllRanges();
+    getSelection().addRange(range);
+    button.textContent = "selected: press Ctrl+C";
+  }
+  setTimeout(() => { button.textContent = id === "cli" ? "copy as CLI command" : "copy as Python"; }, 1500);
+}
+
+// ---------- start ----------
+async function getJSON(url) {
+  const response = await fetch(url);
+  return response.json();
+}
+
+async function start() {
+  const [info, gpus, models, accuracy] = await Promise.all(
+    ["/api/info", "/api/gpus", "/api/models", "/api/accuracy"].map(getJSON));
+  Object.assign(state, {info, gpus, models, accuracy});
+  state.byId = new Map(models.map((m) => [m.id, m]));
+  fillSelect("precision", info.precisions);
+  fillSelect("client", info.clients, {loop: "loop (standard step)", trainer: "trainer (HF Trainer)"});
+  fillSelect("optimizer", info.optimizers);
+  fillSelect("optim", info.optims);
+  fillSelect("quantization", info.quantizations);
+  fillSelect("sharding", ["", ...info.shardings], {"": "none (one GPU)"});
+  fillSelect("gpu", [...gpus.map((g) => g.name), "custom"],
+    Object.fromEntries([...gpus.map((g) => [g.name, `${g.name} (${(g.total_mib / 1024).toFixed(1)} GiB)`]),
+                        ["custom", "another GPU: its memory in GiB"]]));
+  $("models").replaceChildren(...models.map((m) => {
+    const option = document.createElement("option");
+    option.value = m.id;
+    option.label = `${m.family} · ${m.model_type} · ${count(m.parameters)}`;
+    return option;
+  }));
+  $("limits").textContent = `Limits: ${info.limits}. Nothing is kept between requests; no remote code is run.`;
+  const acc = Object.entries(accuracy).map(([m, a]) => `${m}: median ${pct(a.median)}, worst ${pct(a.worst)}`);
+  $("accuracy").textContent = acc.length ? `Measured accuracy of the peak (${Object.values(accuracy)[0].source.split(" ")[0]}): ${acc.join("; ")}.` : "";
+
+  setForm(readHash() || DEFAULT);
+  const form = $("question");
+  form.addEventListener("input", (e) => { if (e.target.id !== "config-file") changed(); });
+  form.addEventListener("change", (e) => { if (e.target.tagName === "SELECT" || e.target.type === "radio" || e.target.type === "checkbox") changed(); });
+  $("config-file").addEventListener("change", readUpload);
+  for (const button of document.querySelectorAll(".example")) {
+    button.addEventListener("click", () => { setForm({...EXAMPLES[button.dataset.example]}); changed(); });
+  }
+  $("mbs-run").addEventListener("click", () => runSearch("mbs"));
+  $("msl-run").addEventListener("click", () => runSearch("msl"));
+  $("copy-cli").addEventListener("click", (e) => copy("cli", e.target));
+  $("copy-python").addEventListener("click", (e) => copy("python", e.target));
+  changed();
+}
+
+function runSearch(kind) {
+  if (!state.q) return;
+  const q = {...state.q, method: "exact"};
+  if (kind === "mbs") q.max_batch_size = true; else q.max_seq_len = true;
+  state.searches[`${kind}Exact`] = "queued…";
+  renderSearches();
+  queueExact(state.gen, kind, q);
+}
+
+function readUpload(event) {
+  const file = event.target.files[0];
+  if (!file) return;
+  if (file.size > MAX_UPLOAD) {
+    clearErrors();
+    showError("config", `${file.name} is over 1 MiB, the server's limit (a config.json is a few kB)`);
+    return;
+  }
+  const reader = new FileReader();
+  reader.onload = () => { $("config").value = reader.result; changed(); };
+  reader.readAsText(file);
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  start().catch((e) => {
+    $("verdict").textContent = `The page could not start: ${e.message}`;
+  });
+});

@@ -1,0 +1,137 @@
+"""The simulator's process: one worker, started once and kept warm, that answers the questions
+needing torch (the exact method; blog and heuristic when they build the model) one at a time.
+
+Why a process and not a lock in the server's own: the simulator patches torch and transformers
+while it runs (dispatch modes, the meta device, a fake process group), which is not known to be
+thread-safe, so its questions must run one after the other anyway; in its own process they leave
+the server's event loop and the formula's answers free (a second core), a simulation that runs
+past the time limit can be stopped (the process is killed and a fresh one started), and a crash
+costs one answer, not the server. Questions queue on a lock in the order they came.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import threading
+import time
+import traceback
+
+from pipeline.core.errors import UserError
+from pipeline.core.text import first_line
+
+# A question the worker answers before it says it is ready: the imports and the simulator's
+# first-call costs are paid there, not by the first user.
+WARM_UP = {"model": "EleutherAI/pythia-14m", "batch": 1, "seq": 16, "precision": "bf16", "method": "exact"}
+START_TIMEOUT_S = 600
+
+
+class SimulationTimeout(Exception):
+    pass
+
+
+class WorkerDied(Exception):
+    pass
+
+
+def serve_questions(conn, warm: bool) -> None:
+    """The worker's loop: a question in, ("ok", answer) or ("error", one line) or ("internal", one line) out."""
+    from pipeline.serve.questions import answer
+
+    if warm:
+        try:
+            answer(WARM_UP)
+        except Exception:  # noqa: BLE001 - a failed warm-up only means a slower first answer
+            traceback.print_exc()
+    conn.send(("ready", None))
+    while True:
+        try:
+            question = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply = ("ok", answer(question))
+        except UserError as exc:
+            reply = ("error", str(exc))
+        except Exception as exc:  # noqa: BLE001 - one line to the user, the traceback to the server's log
+            traceback.print_exc()
+            reply = ("internal", first_line(exc))
+        conn.send(reply)
+
+
+class Simulator:
+    """The worker process and the lock that serializes its questions."""
+
+    def __init__(self, timeout_s: float = 120.0, warm: bool = True):
+        self.timeout_s = timeout_s
+        self.warm = warm
+        self._lock = threading.Lock()
+        self._process = None
+        self._conn = None
+
+    def start(self) -> None:
+        """Start the worker now (in the background: `ask` waits for it)."""
+        threading.Thread(target=self._ensure_started_locked, daemon=True).start()
+
+    def _ensure_started_locked(self) -> None:
+        with self._lock:
+            self._ensure_started()
+
+    def _ensure_started(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            return
+        context = multiprocessing.get_context("spawn")  # a clean interpreter: no threads or state copied
+        parent, child = context.Pipe()
+        process = context.Process(target=serve_questions, args=(child, self.warm), name="pipeline-simulator",
+                                  daemon=True)
+        process.start()
+        child.close()
+        self._process, self._conn = process, parent
+        if not parent.poll(START_TIMEOUT_S):
+            self._stop()
+            raise WorkerDied(f"the simulator did not start within {START_TIMEOUT_S} s")
+        try:
+            parent.recv()
+        except (EOFError, OSError):
+            self._stop()
+            raise WorkerDied("the simulator's process died while starting") from None
+
+    def ask(self, question: dict) -> dict:
+        """The worker's answer; UserError for bad input, SimulationTimeout past the limit, WorkerDied."""
+        with self._lock:
+            self._ensure_started()
+            started = time.monotonic()
+            try:
+                self._conn.send(question)
+                if not self._conn.poll(self.timeout_s):
+                    self._stop()
+                    raise SimulationTimeout(f"the simulation took longer than the server's limit of "
+                                            f"{self.timeout_s:g} s and was stopped")
+                kind, payload = self._conn.recv()
+            except (EOFError, OSError, BrokenPipeError):
+                code = self._process.exitcode if self._process else None
+                self._stop()
+                raise WorkerDied(f"the simulator's process died (exit code {code}) after "
+                                 f"{time.monotonic() - started:.1f} s") from None
+        if kind == "ok":
+            return payload
+        if kind == "error":
+            raise UserError(payload)
+        raise WorkerDied(f"internal error in the simulator: {payload}")
+
+    def _stop(self) -> None:
+        process, conn = self._process, self._conn
+        self._process = self._conn = None
+        if conn is not None:
+            conn.close()
+        if process is not None and process.is_alive():
+            process.kill()
+            process.join(5)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+
+def log(message: str) -> None:
+    print(f"serve: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,246 @@
+"""`python -m pipeline serve` against a real uvicorn server on localhost: its answers equal
+`python -m pipeline estimate ... --json` for the same question (formula and exact, searches
+included), bad input is HTTP 400 with one line, the registry and the GPU catalogue are listed,
+concurrent questions are not mixed, and the page loads nothing from elsewhere."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from conftest import REPO, offline_env
+from serve_support import TINY_CONFIG, ask, cli_json, request, running_server
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+SMALL = "HuggingFaceTB/SmolLM2-135M"
+
+FORMULA_QUESTIONS = [
+    {"model": SMALL, "batch": 4, "seq": 1024, "precision": "bf16", "gpu": "RTX 4090"},
+    {"model": SMALL, "batch": 8, "seq": 1024, "precision": "amp-bf16", "client": "trainer",
+     "optim": "adamw_torch_fused", "gradient_accumulation": 4, "checkpointing": True, "gpu": "T4"},
+    {"model": "meta-llama/Llama-3.1-8B", "batch": 4, "seq": 4096, "precision": "bf16", "lora_r": 16,
+     "quantization": "nf4", "gpu": "RTX 4090"},
+    {"model": "meta-llama/Llama-3.1-8B", "batch": 1, "seq": 2048, "precision": "bf16", "num_gpus": 4,
+     "sharding": "fsdp", "gpu": "H100 80GB"},
+    {"model": SMALL, "seq": 2048, "precision": "bf16", "gpu_memory_gib": 23.5, "max_batch_size": True},
+    {"model": SMALL, "batch": 2, "precision": "fp32", "gpu": "T4", "max_seq_len": True},
+    {"config": TINY_CONFIG, "batch": 2, "seq": 128, "precision": "bf16", "gpu": "T4"},
+]
+
+EXACT_QUESTIONS = [
+    {"model": SMALL, "batch": 2, "seq": 256, "precision": "bf16", "gpu": "RTX 4090"},
+    {"config": TINY_CONFIG, "batch": 2, "seq": 128, "precision": "bf16", "lora_r": 8, "gpu": "T4"},
+    {"config": TINY_CONFIG, "seq": 128, "precision": "bf16", "gpu_memory_gib": 0.5, "max_batch_size": True},
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("serve") / "server.log") as url:
+        yield url
+
+
+def answer_of(server, question):
+    status, body, _ = ask(server, question)
+    assert status == 200, body
+    return body
+
+
+@pytest.mark.parametrize("question", FORMULA_QUESTIONS, ids=lambda q: ",".join(f"{k}" for k in q))
+def test_formula_answer_is_the_commands(server, question):
+    question = {**question, "method": "formula"}
+    assert answer_of(server, question) == cli_json(question)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("question", EXACT_QUESTIONS, ids=["registry", "config-lora", "config-max-batch"])
+def test_exact_answer_is_the_commands(server, question):
+    question = {**question, "method": "exact"}
+    assert answer_of(server, question) == cli_json(question)
+
+
+def test_the_text_is_the_commands_json(server):
+    """Byte for byte: the body is json.dumps(answer, indent=2), as the command prints it."""
+    question = {**FORMULA_QUESTIONS[0], "method": "formula"}
+    _, body, text = ask(server, question)
+    assert text == json.dumps(body, indent=2)
+
+
+def test_a_link_asks_the_same_question(server):
+    question = {**FORMULA_QUESTIONS[0], "method": "formula"}
+    query = "&".join(f"{k}={v}".replace(" ", "%20") for k, v in question.items())
+    status, body, _ = request(f"{server}/api/estimate?{query}")
+    assert status == 200
+    assert body == answer_of(server, question)
+
+
+BAD = [
+    ({"model": SMALL, "batch": 0, "seq": 128, "precision": "bf16", "method": "formula"}, "batch"),
+    ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "method": "formula", "colour": 1}, "unknown field"),
+    ({"config": "/etc/passwd", "batch": 1, "seq": 128, "precision": "bf16", "method": "exact"}, "reads no paths"),
+    ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "method": "exact",
+      "training_args": "training_args.json"}, "reads no paths"),
+    ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "coefficients": "x.json"}, "coefficient file"),
+    ({"config": {"model_type": "no_such_architecture", "hidden_size": 64}, "batch": 1, "seq": 128,
+      "precision": "bf16", "method": "exact"}, "model_type"),
+    ({"config": {"hidden_size": 64}, "batch": 1, "seq": 128, "precision": "bf16", "method": "formula"}, "model_type"),
+    ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf17", "method": "exact"}, "precision"),
+    ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "method": "formula", "gpu": "RTX 9090"}, "GPU"),
+    ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "method": "magic"}, "method"),
+    ({"model": SMALL, "batch": 1, "precision": "bf16", "method": "formula"}, "seq"),
+    ({"model": SMALL, "seq": 128, "precision": "bf16", "method": "formula", "gpu": "T4", "max_batch_size": True,
+      "max_seq_len": True}, "not both"),
+    ({"model": SMALL, "seq": 128, "precision": "bf16", "method": "formula", "max_batch_size": True}, "GPU"),
+    ({"model": SMALL, "batch": 4096, "seq": 8192, "precision": "bf16", "method": "exact"}, "limit"),
+    ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "method": "exact",
+      "attn_implementation": "kernels-community/flash-attn"}, "attn_implementation"),
+    ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "method": "exact", "num_gpus": 4}, "sharding"),
+    ({"model": "nobody/not-a-model", "batch": 1, "seq": 128, "precision": "bf16", "method": "exact"}, "registry"),
+    ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "method": "formula",
+      "gpu_memory_gib": 1e9}, "limit"),
+    ([1, 2, 3], "JSON object"),
+]
+
+
+@pytest.mark.parametrize("body,words", BAD, ids=[w for _, w in BAD])
+def test_bad_input_is_a_400_with_one_line(server, body, words):
+    status, answer, text = ask(server, body)
+    assert status == 400, answer
+    assert set(answer) == {"error"} and words.lower() in answer["error"].lower()
+    assert "\n" not in answer["error"] and "Traceback" not in text
+
+
+def raw_post(url: str, head: str, body: bytes) -> tuple[int, dict]:
+    """(status, JSON body) of a POST written by hand; the server may answer before the body is sent."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        try:
+            sock.sendall(f"POST /api/estimate HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n{head}\r\n".encode())
+            sock.sendall(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it answered already
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    status_line, _, rest = reply.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def test_a_body_that_is_not_json_or_too_large(server):
+    status, answer, _ = request(f"{server}/api/estimate", b"{not json")
+    assert status == 400 and "not JSON" in answer["error"]
+    too_large = b" " * ((1 << 20) + 1)
+    # refused on its declared length, and (chunked, no length declared) once it is read past the limit
+    status, answer = raw_post(server, f"Content-Type: application/json\r\nContent-Length: {len(too_large)}\r\n", b"")
+    assert status == 413 and "limit" in answer["error"]
+    chunked = b"".join(f"{len(part):x}\r\n".encode() + part + b"\r\n"
+                       for part in (too_large[i:i + 65536] for i in range(0, len(too_large), 65536))) + b"0\r\n\r\n"
+    status, answer = raw_post(server, "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n", chunked)
+    assert status == 413 and "limit" in answer["error"]
+
+
+def test_models_are_the_registry(server):
+    from pipeline.core.paths import DEFAULT_REGISTRY
+    from pipeline.inputs.registry import load_registry
+
+    status, models, _ = request(f"{server}/api/models")
+    assert status == 200
+    assert [m["id"] for m in models] == [e.id for e in load_registry(DEFAULT_REGISTRY, check_model_types=False)]
+    small = next(m for m in models if m["id"] == SMALL)
+    assert small["family"] and small["model_type"] == "llama" and small["parameters"] == 134515008
+    assert small["formula"] is True and small["context_length"] > 0
+
+
+def test_gpus_are_the_catalogue(server):
+    from pipeline.formulas.gpus import DEVICES
+
+    status, gpus, _ = request(f"{server}/api/gpus")
+    assert status == 200
+    assert [g["name"] for g in gpus] == list(DEVICES)
+    assert all(g["total_bytes"] == DEVICES[g["name"]].total_bytes for g in gpus)
+
+
+def test_accuracy_and_info(server):
+    status, accuracy, _ = request(f"{server}/api/accuracy")
+    assert status == 200 and {"formula", "exact"} <= set(accuracy)
+    assert 0 <= accuracy["exact"]["median"] < accuracy["exact"]["worst"] < 1
+    status, info, _ = request(f"{server}/api/info")
+    assert status == 200 and "bf16" in info["precisions"] and "refuses" in info["limits"]
+
+
+def test_concurrent_questions_are_not_mixed(server):
+    """Formula questions (threads of the server) and exact ones (its simulator) at once: each gets its own answer."""
+    questions = [{**q, "method": "formula"} for q in FORMULA_QUESTIONS[:4]]
+    questions += [{**FORMULA_QUESTIONS[0], "batch": b, "method": "formula"} for b in (1, 2, 3)]
+    questions += [{**EXACT_QUESTIONS[1], "batch": b, "method": "exact"} for b in (1, 3)]
+    alone = [answer_of(server, q) for q in questions]
+    together = [None] * len(questions)
+
+    def one(i):
+        together[i] = answer_of(server, questions[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert together == alone
+    assert len({json.dumps(a, sort_keys=True) for a in alone}) == len(questions)
+
+
+def test_the_page_loads_nothing_from_elsewhere(server):
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server}/") as response:
+        html = response.read().decode()
+        assert "default-src 'self'" in response.headers["Content-Security-Policy"]
+    assert '<script src="/static/app.js"' in html and 'href="/static/style.css"' in html
+    texts = [html] + [urllib.request.urlopen(f"{server}/static/{name}").read().decode() for name in ("app.js", "style.css")]
+    external = [u for text in texts for u in re.findall(r"(?:https?:)?//[A-Za-z0-9.-]+\.[a-z]{2,}[^\s\"'`)]*", text)
+                if not u.startswith("http://www.w3.org/2000/svg")]
+    assert external == []
+
+
+def test_the_server_binds_localhost_by_default():
+    from pipeline.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port) == ("127.0.0.1", 7860)
+
+
+def test_the_formula_needs_no_torch():
+    """The server answers formula questions in its own process: no torch, no transformers imported."""
+    code = ("import json, sys; from pipeline.serve.questions import answer, check, needs_torch; "
+            f"q = check({{'model': {SMALL!r}, 'batch': 2, 'seq': 64, 'precision': 'bf16', 'method': 'formula', "
+            "'gpu': 'T4', 'lora_r': 8, 'max_batch_size': True}); assert not needs_torch(q); answer(q); "
+            "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=offline_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+
+
+@pytest.mark.slow
+def test_a_simulation_past_the_limit_is_stopped_and_the_next_one_runs():
+    from pipeline.core.errors import UserError
+    from pipeline.serve.worker import SimulationTimeout, Simulator
+
+    question = {"model": SMALL, "batch": 1, "seq": 64, "precision": "bf16", "method": "exact"}
+    simulator = Simulator(timeout_s=0.5, warm=False)
+    try:
+        with pytest.raises(SimulationTimeout):
+            simulator.ask(question)  # the cold worker imports torch first: well past 0.5 s
+        simulator.timeout_s = 300
+        assert simulator.ask(question)["method"] == "exact"
+        with pytest.raises(UserError, match="precision"):
+            simulator.ask({**question, "precision": "fp8"})
+    finally:
+        simulator.close()

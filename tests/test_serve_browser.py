@@ -1,0 +1,245 @@
+"""The calculator's page in a real browser: Debian's Chromium, headless, driven by Playwright (its
+Python package only: the system's browser, no browser download). The page asks a registry model
+(the README's question: Llama-3.1-8B, QLoRA, batch 4, 4k tokens, RTX 4090) and a pasted config;
+the numbers it shows are checked against `python -m pipeline estimate ... --json` for the same
+question, the fit verdict's wording, the copied command, and the message beside the field of a bad
+config. A PNG screenshot of each state is written to tests/artifacts/serve/ (CI keeps that folder).
+
+Skipped with the reason when Chromium or Playwright is missing, unless AVP_REQUIRE_BROWSER=1 (set by
+.ci/run, which installs them): then it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from serve_support import TINY_CONFIG, ask, cli_json, request, running_server
+
+CHROMIUM = os.environ.get("AVP_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = REPO / "tests" / "artifacts" / "serve"
+LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--disable-dev-shm-usage"]
+GIB = 2**30
+QLORA = {"model": "meta-llama/Llama-3.1-8B", "batch": 4, "seq": 4096, "precision": "bf16", "lora_r": 16,
+         "quantization": "nf4", "gpu": "RTX 4090"}
+PASTED = {"config": TINY_CONFIG, "batch": 2, "seq": 128, "precision": "bf16", "gpu": "T4"}
+
+pytestmark = pytest.mark.slow
+
+
+def _missing() -> str | None:
+    if not Path(CHROMIUM).exists():
+        return f"no Chromium at {CHROMIUM} (apt-get install chromium chromium-driver; or set AVP_CHROMIUM)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright Python package is not installed (pip install -e '.[dev]')"
+    for module in ("starlette", "uvicorn"):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{module} is not installed (pip install -e .)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    missing = _missing()
+    if missing:
+        if os.environ.get("AVP_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"AVP_REQUIRE_BROWSER=1 but {missing}")
+        pytest.skip(missing)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with running_server(ARTIFACTS / "server.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            errors = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            # a 400 answer is logged by the browser as a failed resource: the page shows it beside the field
+            page.on("console", lambda msg: errors.append(msg.text)
+                    if msg.type == "error" and "status of 400" not in msg.text else None)
+            page.errors = errors
+            yield page
+        finally:
+            browser.close()
+
+
+def cli_text(question: dict, method: str) -> str:
+    """The page's "copy as CLI command" for the question (the flags in the page's order)."""
+    flags = [("batch", "--batch"), ("seq", "--seq"), ("precision", "--precision"), ("lora_r", "--lora-r"),
+             ("quantization", "--quantization"), ("gpu", "--gpu")]
+    source = f"--model {question['model']}" if "model" in question else "--config config.json"
+    parts = ["python -m pipeline estimate", source]
+    for key, flag in flags:
+        if key in question:
+            value = str(question[key])
+            parts.append(f"{flag} {value if ' ' not in value else repr(value)}")
+    return " ".join([*parts, f"--method {method}", "--json"])
+
+
+SHOWN = """() => {
+    const v = (id) => document.getElementById(id);
+    const strong = v('verdict').querySelector('strong'), small = v('verdict').querySelector('small');
+    return {method_shown: v('answer').dataset.method,
+            peak: v('peak').dataset.bytes, peak_text: v('peak').textContent,
+            reserved: v('reserved').dataset.bytes, reserved_text: v('reserved').textContent,
+            headroom: v('headroom').dataset.bytes, fits: v('verdict').dataset.fits,
+            verdict: strong ? strong.textContent : '', detail: small ? small.textContent : '',
+            method: v('method').textContent, cli: v('cli').textContent, python: v('python').textContent,
+            link: v('json-link').getAttribute('href'),
+            components: Object.fromEntries([...document.querySelectorAll('#bar b[data-component]')]
+                .map((b) => [b.dataset.component, Number(b.dataset.bytes)]))};
+}"""
+
+
+def poll(page, function: str, until, timeout_s: float, arg=None):
+    """page.evaluate(function) every 0.1 s until `until(value)`; the value. (Not wait_for_function: its
+    string predicates need eval, which the page's Content-Security-Policy forbids.)"""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = page.evaluate(function, arg)
+        if until(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s; the page shows {value!r}")
+        page.wait_for_timeout(100)
+
+
+def wait_for_answer(page, question: dict, method: str, timeout_s: float) -> dict:
+    """What the page shows once it shows the `method`'s answer to this question (its copied command
+    names both), read in the same instant."""
+    cli = cli_text(question, method)
+    return poll(page, SHOWN, lambda s: s["cli"] == cli and s["method_shown"] == method, timeout_s)
+
+
+def wait_for_models(page) -> None:
+    poll(page, "() => document.querySelectorAll('#models option').length", lambda n: n > 100, 30)
+
+
+def check_numbers(s: dict, expected: dict, gpu_words: str) -> dict:
+    """The page's figures and verdict (`s`, as shown) are those of `expected` (the command's JSON)."""
+    assert float(s["peak"]) == expected["peak_bytes"]
+    assert s["peak_text"] == f"{expected['peak_bytes'] / GIB:.2f} GiB"
+    assert float(s["reserved"]) == expected["peak_reserved_bytes"]
+    assert s["reserved_text"] == f"{expected['peak_reserved_bytes'] / GIB:.2f} GiB"
+    assert float(s["headroom"]) == expected["headroom_bytes"]
+    assert s["fits"] == str(expected["fits"]).lower()
+    headroom = expected["headroom_bytes"] / GIB
+    wording = (f"Fits on {gpu_words}: {headroom:.2f} GiB of headroom" if expected["fits"]
+               else f"Does not fit on {gpu_words}: {-headroom:.2f} GiB short")
+    assert s["verdict"] == wording
+    assert s["detail"] == (f"reserved {expected['peak_reserved_bytes'] / GIB:.2f} GiB + "
+                           f"{expected['outside_bytes'] / GIB:.2f} GiB outside PyTorch "
+                           f"{'≤' if expected['fits'] else '>'} {expected['device_total_bytes'] / GIB:.2f} GiB "
+                           f"({expected['method']})")
+    assert s["method"].startswith(f"method: {expected['method']} (")
+    parts = {k: v for k, v in expected["components"].items() if v > 0}
+    assert {k: s["components"][k] for k in parts} == parts
+    return s
+
+
+def screenshot(page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / name), full_page=True)
+    assert (ARTIFACTS / name).stat().st_size > 10_000
+
+
+def test_a_registry_model_gets_its_verdict_within_a_minute(page, server):
+    started = time.monotonic()
+    page.goto(server)
+    wait_for_models(page)
+    # as a person would: the model by name, the shape, QLoRA, the GPU
+    page.check("input[name=source][value=model]")
+    page.fill("#model", "Llama-3.1-8B")  # the name, as a person types it: the page finds the registry id
+    page.fill("#batch", str(QLORA["batch"]))
+    page.fill("#seq", str(QLORA["seq"]))
+    page.select_option("#adapters", "qlora")
+    page.select_option("#quantization", QLORA["quantization"])
+    page.fill("#lora_r", str(QLORA["lora_r"]))
+    page.select_option("#gpu", QLORA["gpu"])
+    formula_shown = wait_for_answer(page, QLORA, "formula", 30)
+    formula_seconds = time.monotonic() - started
+    screenshot(page, "01-registry-formula.png")  # the exact answer of an 8B model takes seconds more
+
+    s = wait_for_answer(page, QLORA, "exact", 60 - formula_seconds)
+    exact_seconds = time.monotonic() - started
+    page.wait_for_timeout(300)
+    screenshot(page, "02-registry-exact.png")
+    assert exact_seconds < 60, f"the verdict took {exact_seconds:.0f} s"
+    # the command's answers, once the page has shown them (no command competes with the server before)
+    check_numbers(formula_shown, cli_json({**QLORA, "method": "formula"}), "the RTX 4090")
+    expected = cli_json({**QLORA, "method": "exact"})
+    check_numbers(s, expected, "the RTX 4090")
+    assert s["cli"] == cli_text(QLORA, "exact")
+    assert ('estimate(model="meta-llama/Llama-3.1-8B", batch=4, seq=4096, precision="bf16", lora_r=16, '
+            'quantization="nf4", gpu="RTX 4090", method="exact")') in s["python"]
+    status, linked, _ = request(server + s["link"])
+    assert status == 200 and linked == expected
+    (ARTIFACTS / "timings.json").write_text(json.dumps(
+        {"formula_shown_s": round(formula_seconds, 2), "exact_shown_s": round(exact_seconds, 2)}))
+    assert page.errors == []
+
+
+def test_a_pasted_config_and_the_largest_batch(page, server):
+    page.goto(server)
+    wait_for_models(page)
+    page.check("input[name=source][value=config]")
+    page.fill("#config", json.dumps(TINY_CONFIG, indent=2))
+    page.fill("#batch", str(PASTED["batch"]))
+    page.fill("#seq", str(PASTED["seq"]))
+    page.select_option("#adapters", "none")
+    page.select_option("#gpu", PASTED["gpu"])
+    s = wait_for_answer(page, PASTED, "exact", 120)
+    page.wait_for_timeout(300)
+    screenshot(page, "03-config-exact.png")
+    check_numbers(s, cli_json({**PASTED, "method": "exact"}), "the T4")
+    assert s["cli"] == cli_text(PASTED, "exact")
+
+    page.click("#mbs-run")
+    poll(page, "() => document.getElementById('mbs-exact').dataset.value", bool, 120)
+    screenshot(page, "04-config-largest-batch.png")
+    status, searched, _ = ask(server, {**PASTED, "method": "exact", "max_batch_size": True})
+    assert status == 200
+    assert page.inner_text("#mbs-exact").startswith(str(searched["max_batch_size"]))
+    status, formula, _ = ask(server, {**PASTED, "method": "formula", "max_batch_size": True})
+    assert page.inner_text("#mbs-formula") == str(formula["max_batch_size"])
+    assert page.errors == []
+
+
+def test_a_bad_config_is_a_message_beside_the_field(page, server):
+    page.goto(server)
+    wait_for_models(page)
+    page.check("input[name=source][value=config]")
+    bad = {"model_type": "no_such_architecture", "hidden_size": 64}
+    page.fill("#config", json.dumps(bad))
+    page.select_option("#gpu", "T4")
+    question = {"config": bad, "batch": int(page.input_value("#batch")), "seq": int(page.input_value("#seq")),
+                "precision": "bf16", "gpu": "T4", "method": "exact"}
+    status, answer, _ = ask(server, question)
+    assert status == 400
+    poll(page, "() => document.getElementById('error-config').textContent", lambda t: t == answer["error"], 120)
+    assert page.get_attribute("#config", "class") == "invalid"
+    assert page.get_attribute("#verdict", "data-fits") == ""
+    screenshot(page, "05-bad-config.png")
+    assert "Traceback" not in page.inner_text("body")
+
+    page.fill("#config", "{not json")
+    poll(page, "() => document.getElementById('error-config').textContent", lambda t: t.startswith("not valid JSON"), 10)
+    screenshot(page, "06-config-not-json.png")
+    assert page.errors == []
