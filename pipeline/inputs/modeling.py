@@ -148,15 +148,25 @@ def routed_expert_parameters(model, num_experts: int | None) -> int:
 
 
 def text_config(config):
+    """The text part of a config (a transformers config or a config.json dict)."""
+    if isinstance(config, dict):
+        return config["text_config"] if isinstance(config.get("text_config"), dict) else config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def first_int(config, names) -> int | None:
-    """The first of `names` set to an int on the config or on a nested part of it (e.g. dbrx's ffn_config)."""
-    nested = [value for key, value in vars(config).items() if not key.startswith("_") and hasattr(value, "to_dict")]
-    for source in (config, *nested):
+    """The first of `names` set to an int on the config (a transformers config or a config.json dict)
+    or on a nested part of it (e.g. dbrx's ffn_config)."""
+    if isinstance(config, dict):
+        sources = [config, *(value for value in config.values() if isinstance(value, dict))]
+        get = dict.get
+    else:
+        sources = [config, *(value for key, value in vars(config).items()
+                             if not key.startswith("_") and hasattr(value, "to_dict"))]
+        get = getattr
+    for source in sources:
         for name in names:
-            value = getattr(source, name, None)
+            value = get(source, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
     return None
