@@ -31,7 +31,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from pipeline.measure.clients.tracking import PhaseTracker, optimizer_state_bytes
 from pipeline.inputs.modeling import vocabulary_size
-from pipeline.training.step import STEPS, Setting, set_training_mode
+from pipeline.training.step import STEPS, Setting, mixed_precision_args, set_training_mode
 
 NEEDS_PACKAGE = {"adamw_bnb_8bit": "bitsandbytes"}
 
@@ -79,7 +79,7 @@ def training_arguments(setting: Setting, precision: str, batch: int, device: str
     extra = {"use_cpu": True} if device == "cpu" else {}
     return TrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch, max_steps=STEPS,
                              gradient_accumulation_steps=setting.gradient_accumulation,
-                             bf16=precision == "amp-bf16", fp16=precision == "amp-fp16",
+                             **mixed_precision_args(precision),
                              gradient_checkpointing=setting.gradient_checkpointing, optim=setting.optim,
                              save_strategy="no", disable_tqdm=True, **extra)
 
