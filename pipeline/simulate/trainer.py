@@ -153,8 +153,12 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
     for workspace in workspaces:
         tracker.track(workspace, "activations")
     run.attach(rules, tracker)
+    if run.liger:  # outside the tracker: its imports are no part of the step (pipeline.training.liger)
+        from pipeline.training.liger import import_liger
+
+        import_liger()
     try:
-        with rules, tracker, fused_on(device_type), cuda_paths(rules, trl=run.fused_head, liger=run.liger):
+        with cuda_paths(rules, trl=run.fused_head, liger=run.liger), rules, tracker, fused_on(device_type):
             run.setup()
             for _ in range(steps):
                 run.step()

@@ -21,14 +21,35 @@ import sys
 SFT_LIGER_CONFIG = {"fused_linear_cross_entropy": False}
 
 
-def liger_unavailable() -> str | None:
-    """Why Liger's kernels cannot run here (liger-kernel or Triton missing), or None."""
+def liger_unavailable(device: str | None = None) -> str | None:
+    """Why Liger's kernels cannot run here (liger-kernel or Triton missing; for a measurement on
+    `device`, no CUDA: Triton launches its kernels on a GPU), or None."""
     import importlib.util
 
+    if device is not None and device != "cuda":
+        return f"liger_kernel runs Triton kernels, which need a CUDA device, not {device}"
     for package in ("liger_kernel", "triton"):
         if importlib.util.find_spec(package) is None:
             return f"liger_kernel needs {package.replace('_', '-')}, which is not installed here"
     return None
+
+
+# liger-kernel's dispatcher ops that the patched models call (liger_kernel.functional declares them)
+LIGER_OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "softmax", "cross_entropy",
+             "cross_entropy_loss_and_grad", "fused_add_rms_norm", "fused_linear_cross_entropy")
+
+
+def import_liger() -> None:
+    """Import Liger's patching code and let its dispatcher look for every op's backends now: its first
+    call otherwise imports them in the middle of a step, and an optional backend that fails to import
+    is logged with the exception, whose traceback keeps that step's tensors alive wherever the log
+    record is kept (a test's log capture)."""
+    import liger_kernel.functional  # noqa: F401 - declares the ops
+    import liger_kernel.transformers.monkey_patch  # noqa: F401
+    from liger_kernel.backends.registry import list_registered
+
+    for op in LIGER_OPS:
+        list_registered(op)
 
 
 def _patched_modules() -> list:
