@@ -179,6 +179,19 @@ def test_bad_sft_options_are_one_line_and_exit_2(args, message, capsys):
     assert code == 2 and message in err and err.count("\n") <= 2  # argparse adds its usage line
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(client="sft", liger_kernel="yes"), "liger_kernel must be true or false, not 'yes'"),
+    (dict(client="sft", completion_share=2), "completion_share must be a number in (0, 1], not 2"),
+    (dict(client="sft", weights_dtype="fp16"), "weights dtype 'fp16' is not one of bf16, fp32"),
+    (dict(sft_config=123), "sft_config must be a path of a YAML or JSON file or its dict, not int"),
+    (dict(client="sft", checkpointing="no"), "checkpointing must be true or false, not 'no'"),
+])
+def test_bad_python_options_raise_one_line_user_errors(options, message):
+    with pytest.raises(UserError) as info:
+        estimate(config=qwen_config(), batch=2, seq=64, method="formula", coefficients=COEFFICIENTS, **options)
+    assert str(info.value) == message or str(info.value).startswith(message)
+
+
 def test_no_model_anywhere_is_one_line(tmp_path, capsys):
     path = write(tmp_path / "sft.yaml", "per_device_train_batch_size: 4\n")
     assert main(["estimate", "--seq", "64", "--method", "formula"]) == 2

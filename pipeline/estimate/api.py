@@ -79,7 +79,7 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
     run = Run(given["batch"], given["seq"], given["precision"], optimizer, given["checkpointing"], attn_implementation,
               expandable_segments, client, given["optim"],
               1 if given["gradient_accumulation"] is None else given["gradient_accumulation"], num_gpus, sharding,
-              given["adapter"], liger_kernel=bool(given["liger_kernel"]) if given["liger_kernel"] is not None else False,
+              given["adapter"], liger_kernel=False if given["liger_kernel"] is None else given["liger_kernel"],
               completion_share=1.0 if completion_share is None else completion_share)
     return run, notes
 

@@ -102,6 +102,8 @@ def _load(source) -> tuple[dict, str]:
 
     if isinstance(source, dict):
         return source, "sft config"
+    if not isinstance(source, (str, Path)):
+        raise UserError(f"sft_config must be a path of a YAML or JSON file or its dict, not {type(source).__name__}")
     path = Path(source)
     try:
         data = yaml.safe_load(path.read_text())
