@@ -198,3 +198,26 @@ def test_no_model_anywhere_is_one_line(tmp_path, capsys):
     assert "give one of --model, --config and --params" in capsys.readouterr().err
     assert main(["estimate", "--sft-config", str(path), "--method", "formula"]) == 2
     assert "give exactly one of model, config and params" in capsys.readouterr().err
+
+
+def test_the_fit_gives_bf16_autocast_a_group_of_its_own_once_measured():
+    """Measured bf16-autocast rows (here: the committed H200 bf16 rows relabelled, as if measured) form a
+    peak group of their own in the fit; the formula then uses it, not bf16's stand-in."""
+    import pandas as pd
+
+    from pipeline.fit.formula import model_features
+    from pipeline.fit.peak import fit_peak, peak_table
+    from pipeline.formulas.peak import closed_form_peak
+
+    peaks = pd.read_parquet(REPO / "results/peak_memory.parquet")
+    peaks = peaks[(peaks["precision"] == "bf16") & ~peaks["gradient_checkpointing"].fillna(False).astype(bool)]
+    facts = model_features(read_config_records(REPO / "results/configs.json"))
+    fits = fit_peak(peak_table(peaks.assign(precision="bf16-autocast"), facts), facts, resamples=5)
+    assert list(fits) == ["bf16-autocast"]
+    from pipeline.formulas.features import read_facts
+
+    qwen = read_facts(qwen_config())
+    own = closed_form_peak(fits, qwen, 494_032_768, 4, 1024, "bf16-autocast", "adamw", False)
+    assert own["notes"] == [] and own["peak_bytes"] > 0
+    with pytest.raises(KeyError):
+        closed_form_peak(fits, qwen, 494_032_768, 4, 1024, "bf16-autocast", "adamw", True)  # no checkpointing group
