@@ -21,8 +21,8 @@ import contextlib
 from pipeline.simulate.allocator import (CachingAllocator, ExpandableSegments, Fanout, allocated_bytes,
                                          later_steps_reserved)
 from pipeline.simulate.scaler import scaler_tensors
-from pipeline.training.step import (Setting, grad_scaler, make_optimizer, set_training_mode, token_ids, trainable, training_loss,
-                           zero_grad)
+from pipeline.training.step import (Setting, autocast_dtype, grad_scaler, make_optimizer, set_training_mode, token_ids,
+                                    trainable, training_loss, zero_grad)
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -67,7 +67,7 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
              for p in params if p.requires_grad]
     opt = make_optimizer(trainable(params), setting, foreach=True)  # CUDA's default; meta tensors have none
     saved = SavedTensors(params)
-    amp_dtype = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
+    amp_dtype = autocast_dtype(precision)
     amp = rules.autocast(amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
     scaler = grad_scaler(precision, device_type)
     try:
