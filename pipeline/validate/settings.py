@@ -62,10 +62,14 @@ def settings_rows(tables: dict):
 
 
 def setting_name(row) -> str:
-    """full (fine-tuning), lora or qlora: the validation's groups."""
-    if _text(row.lora_r) == "":
-        return "full"
-    return "qlora" if _text(row.quantization) else "lora"
+    """full (fine-tuning), lora or qlora: the validation's groups; bf16-autocast and Liger's kernels are
+    reported apart (", bf16-autocast", "+liger")."""
+    name = "full" if _text(row.lora_r) == "" else "qlora" if _text(row.quantization) else "lora"
+    if _text(getattr(row, "liger_kernel", False)) == "True":
+        name += "+liger"
+    if getattr(row, "precision", None) == "bf16-autocast":
+        name += ", bf16-autocast"
+    return name
 
 
 def run_of(row) -> Run:
