@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.formulas.mixers import Mixer, layer_pattern, read_mixer, whole
+from pipeline.formulas.mixers import Mixer, layer_pattern, positive, read_mixer, whole
 from pipeline.inputs.aliases import FIELDS, names_of
 
 # Architectures whose MLP has two matrices (up, down): every other one is gated (gate, up, down).
@@ -357,16 +357,17 @@ def _dropout(config: dict, model_type: str) -> tuple:
 
 def _read_recurrent(facts: Facts, config: dict) -> None:
     if facts.model_type == "recurrent_gemma":
-        pattern = config.get("block_types") or ["recurrent", "recurrent", "attention"]
+        pattern = config.get("block_types")
+        pattern = pattern if isinstance(pattern, list) and pattern else ["recurrent", "recurrent", "attention"]
         kinds = [pattern[i % len(pattern)] for i in range(facts.layers)]
         facts.recurrent_layers = sum(kind == "recurrent" for kind in kinds)
-        facts.recurrent_width = whole(config.get("lru_width"), facts.hidden) or facts.hidden
+        facts.recurrent_width = positive(config.get("lru_width"), facts.hidden)
     else:
         facts.recurrent_layers = facts.layers
-        facts.recurrent_width = int(whole(config.get("expand"), 2) * facts.hidden)
-        facts.state_size = whole(config.get("state_size"), 16) or 16
-        facts.time_step_rank = whole(config.get("time_step_rank")) or -(-facts.hidden // 16)
-        facts.conv_kernel = whole(config.get("conv_kernel"), 4) or 4
+        facts.recurrent_width = positive(config.get("expand"), 2) * facts.hidden
+        facts.state_size = positive(config.get("state_size"), 16)
+        facts.time_step_rank = positive(config.get("time_step_rank"), -(-facts.hidden // 16))
+        facts.conv_kernel = positive(config.get("conv_kernel"), 4)
 
 
 def _read_attention(facts: Facts, config: dict) -> None:
@@ -531,7 +532,7 @@ def _mla_parameters(facts: Facts) -> int:
     q_rank, kv_rank, rope, v_dim = facts.mla
     h, heads, q_dim = facts.hidden, facts.heads, facts.q_dim
     query = h * q_rank + q_rank + q_rank * q_dim if q_rank else h * q_dim
-    keys_values = h * (kv_rank + rope) + kv_rank + kv_rank * heads * (q_dim // heads - rope + v_dim)
+    keys_values = h * (kv_rank + rope) + kv_rank + kv_rank * heads * ((q_dim // heads if heads else 0) - rope + v_dim)
     return query + keys_values + heads * v_dim * h
 
 

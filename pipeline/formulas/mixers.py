@@ -79,6 +79,12 @@ def whole(value, default: int = 0) -> int:
     return int(value)
 
 
+def positive(value, default: int) -> int:
+    """`value` as a whole number above zero where it is one, else `default`."""
+    number = whole(value, default)
+    return number if number > 0 else default
+
+
 def _get(config: dict, model_type: str, name: str):
     """A field of the config, else the model type's default (booleans as given; numbers as whole numbers)."""
     default = MIXER_DEFAULTS.get(model_type, {}).get(name)
