@@ -165,7 +165,7 @@ def saved_coefficients(saved: dict) -> dict:
     return {precision: fit["coefficients"] for precision, fit in saved.items()}
 
 
-def held_out_check(models, activations, records, held: dict, hook_fit, saved_fits) -> dict:
+def held_out_check(models, activations, records, held: dict, hook_fit, saved_fits, line) -> dict:
     """The fitted formula on the held-out models (`HELD_OUT_MODELS`): its hook elements at (1, 1) and its saved
     bytes per token at every counted point and precision, against the counts; metrics as every fit reports
     them, and the hook predictions for the figures (flagged held_out)."""
@@ -175,13 +175,19 @@ def held_out_check(models, activations, records, held: dict, hook_fit, saved_fit
     if not held:
         return section
     hooks = hook_table(models, activations, held)
+    if hooks.empty:
+        return section
     x = hook_design(records, held)
     predicted = [sum(c * v for c, v in zip(hook_fit["coefficients"].values(), x[m])) for m in hooks["model_id"]]
     section["hook_elements"] = metrics(hooks["elements_per_token"], predicted, hooks["model_id"])
+    a, b = line["coefficients"]["a"], line["coefficients"]["b"]
+    active = hooks["active_parameters"].fillna(hooks["parameters"])
     section["hook_predictions"] = [{"model_id": m, "family": f, "counted": float(y), "formula": float(p),
-                                    "formula_lofo": float(p), "held_out": True}
-                                   for m, f, y, p in zip(hooks["model_id"], hooks["family"], hooks["elements_per_token"],
-                                                         predicted)]
+                                    "formula_lofo": float(p), "line": float(a * n + b), "line_lofo": float(a * n + b),
+                                    "blog": float(blog_a_bytes(k) / BLOG_A_BYTES_PER_ELEMENT), "held_out": True}
+                                   for m, f, y, p, n, k in zip(hooks["model_id"], hooks["family"],
+                                                               hooks["elements_per_token"], predicted, active,
+                                                               hooks["parameters"])]
     section["saved_bytes"] = {}
     for precision, fit in saved_fits.items():
         rows = saved_table(models, activations, held, precision)
@@ -224,7 +230,7 @@ def fit_formula(models, activations, peaks, records: dict, resamples: int = FORM
     saved = {p: fit_saved_formula(rows, facts, p, **run) for p, rows in saved_rows.items() if len(rows)}
     line = line_in_formula_cv(hooks, **run)
     table = comparison(hooks, hook, line, saved, saved_rows, facts)
-    held_out = held_out_check(models, activations, records, held, hook, saved)
+    held_out = held_out_check(models, activations, records, held, hook, saved, line)
     section = {
         "features": dict(FEATURES),
         "hook_features": dict(HOOK_FEATURES),
