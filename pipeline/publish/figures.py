@@ -216,9 +216,10 @@ def formula_points(results_dir: Path):
     import pandas as pd
 
     section = read(results_dir, "coefficients.json").get("activation_formula", {})
-    return pd.DataFrame.from_records(section.get("hook_predictions") or [],
-                                     columns=["model_id", "family", "counted", "formula", "formula_lofo", "line",
-                                              "line_lofo", "blog"])
+    points = pd.DataFrame.from_records(section.get("hook_predictions") or [],
+                                       columns=["model_id", "family", "counted", "formula", "formula_lofo", "line",
+                                                "line_lofo", "blog", "held_out"])
+    return points.assign(held_out=points["held_out"].eq(True))  # kept out of the fit (fit.formula.HELD_OUT_MODELS)
 
 
 def relative_errors(points, column: str):
@@ -241,6 +242,9 @@ def draw_formula_vs_counted(results_dir: Path):
         for i, (family, group) in enumerate(points.groupby("family")):
             ax.scatter(group["counted"], group[column], s=14, color=colours[family],
                        marker=marker(sorted(colours).index(family)), zorder=3)
+        held = points[points["held_out"]]
+        ax.scatter(held["counted"], held[column], s=70, facecolors="none", edgecolors="black", zorder=4,
+                   label="held out of the fit")
         ax.plot([low, high], [low, high], color="black", lw=1, label="y = x")
         ax.fill_between([low, high], [low / 1.1, high / 1.1], [low * 1.1, high * 1.1], color="grey", alpha=0.15,
                         label="±10%")
