@@ -11,6 +11,7 @@ import time
 
 from pipeline.core.text import first_line
 from pipeline.core.errors import UserError
+from pipeline.inputs.configs import as_config
 from pipeline.core.vocabulary import check_choice
 from pipeline.training.values import Estimate, Run
 
@@ -73,17 +74,6 @@ def check_loop(run: Run) -> None:
 def meta_attention(attn_implementation):
     """The attention implementation to build with: None for the library's default."""
     return None if attn_implementation in (None, "default") else attn_implementation
-
-
-def as_config(config):
-    """A transformers config from a config.json dict (or the transformers config itself)."""
-    from pipeline.inputs.configs import config_from_dict
-
-    if isinstance(config, dict):
-        return config_from_dict(config)
-    if not hasattr(config, "to_dict") or not getattr(config, "model_type", None):
-        raise UserError(f"config must be a transformers config or a config.json dict, not {type(config).__name__}")
-    return config
 
 
 def config_key(config) -> str:

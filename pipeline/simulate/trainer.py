@@ -106,7 +106,7 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
     from pipeline.simulate.rules import KernelRules
     from pipeline.simulate.scaler import scaler_stand_ins
     from pipeline.simulate.stand_ins import UniformValues, scalar_stand_ins
-    from pipeline.simulate.step import quantization_state
+    from pipeline.simulate.adapters import quantization_state
     from pipeline.simulate.tracker import LiveBytesTracker
 
     meta = device_type == "meta"
