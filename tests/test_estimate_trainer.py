@@ -77,7 +77,7 @@ def test_closed_forms_take_the_trainers_optimizer_state():
     (dict(client="trainer", gradient_accumulation=0), "gradient_accumulation must be a positive integer"),
     (dict(optim="adafactor"), "optim is the trainer client's; the loop takes optimizer"),
     (dict(client="trainer", optimizer="sgd"), "optimizer is the loop client's"),
-    (dict(gradient_accumulation=4), "gradient_accumulation other than 1 needs client trainer"),
+    (dict(gradient_accumulation=4), "gradient_accumulation other than 1 needs a Trainer client"),
 ])
 def test_bad_trainer_options_are_one_line_errors(options, message):
     with pytest.raises(UserError, match=message):

@@ -56,9 +56,12 @@ def build_model(config, device: str = "meta", dtype=None, attn_implementation: s
 
 
 def model_dtype(precision: str):
+    """The dtype a precision builds its weights in (`vocabulary.Precision.weights`)."""
     import torch
 
-    return torch.bfloat16 if precision == "bf16" else torch.float32
+    from pipeline.core.vocabulary import precision_mode
+
+    return torch.bfloat16 if precision_mode(precision).weights == "bf16" else torch.float32
 
 
 def training_config(config):

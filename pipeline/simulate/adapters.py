@@ -46,8 +46,17 @@ def cached_adapter_model(config_json: str, precision: str, attn_implementation: 
                          gradient_checkpointing: bool):
     """The PeftModel on the meta device, built once per (config, precision, attention, adapter, checkpointing)."""
     from pipeline.training.adapters import apply_adapters
+
+    model = fresh_base_model(config_json, precision, attn_implementation, adapter.quantization)
+    return apply_adapters(model, adapter, gradient_checkpointing)
+
+
+def fresh_base_model(config_json: str, precision: str, attn_implementation: str | None, quantization: str | None):
+    """A model on the meta device built anew (in the precision's dtype; `quantization` nf4: its 4-bit
+    base, `quantize_on_meta`), for a client that wraps or patches the model it is given (SFTTrainer)."""
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
+    from pipeline.training.adapters import AdapterSpec
 
     config = config_from_dict(json.loads(config_json))
     try:
@@ -55,9 +64,9 @@ def cached_adapter_model(config_json: str, precision: str, attn_implementation: 
     except Exception as exc:  # noqa: BLE001 - transformers rejects some configs / attention choices
         raise UserError(f"the model cannot be built from this config: {type(exc).__name__}: "
                         f"{(str(exc).strip().splitlines() or [''])[0]}"[:300]) from None
-    if adapter.quantization:
-        quantize_on_meta(model, adapter)
-    return apply_adapters(model, adapter, gradient_checkpointing)
+    if quantization:
+        quantize_on_meta(model, AdapterSpec.make(8, quantization=quantization))
+    return model
 
 
 def quantization_config(adapter):

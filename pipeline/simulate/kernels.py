@@ -62,6 +62,14 @@ def _embedding_backward_workspace(args, kwargs, out):
     return [tokens * 8] * 6 + [tokens * grad.shape[-1] * 4]
 
 
+def _bool_index_workspace(args, kwargs, out):
+    """CUDA's `index` with a boolean mask first runs `nonzero` into a (count, mask dims) int64 tensor,
+    freed after the op (TRL's fused LM head selects the labelled positions this way)."""
+    rows = out.shape[0] if out.dim() else 0
+    dims = sum(i.dim() for i in args[1] if i is not None and i.dtype in (torch.bool, torch.uint8))
+    return [rows * dims * 8] if dims else []
+
+
 def host_outputs() -> dict:
     """Outputs that the meta kernel makes but CUDA keeps on the host (not counted)."""
     return attention_host_outputs()
@@ -72,7 +80,7 @@ def workspace_rules() -> dict:
     from pipeline.simulate.bnb_kernels import bnb_workspace_rules
 
     return {**attention_workspaces(), torch.ops.aten.embedding_dense_backward.default: _embedding_backward_workspace,
-            **bnb_workspace_rules()}
+            torch.ops.aten.index.Tensor: _bool_index_workspace, **bnb_workspace_rules()}
 
 
 class CublasWorkspaces:

@@ -20,8 +20,8 @@ import contextlib
 
 from pipeline.simulate.allocator import allocated_bytes, later_steps_reserved
 from pipeline.simulate.scaler import scaler_tensors
-from pipeline.training.step import (Setting, grad_scaler, make_optimizer, set_training_mode, token_ids, trainable, training_loss,
-                           zero_grad)
+from pipeline.training.step import (Setting, autocast_dtype, grad_scaler, make_optimizer, set_training_mode, token_ids,
+                                    trainable, training_loss, zero_grad)
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -38,7 +38,6 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     rounded to 512 bytes instead of the caching allocator's blocks. `warm=False`: the process's first
     step, cuBLAS's workspaces made at their first use (`kernels.CublasWorkspaces`).
     """
-    import torch
 
     from pipeline.simulate.trace import Trace
 
@@ -53,7 +52,7 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
     trace.watch(model)
     opt = make_optimizer(trainable(params), setting, foreach=True)  # CUDA's default; meta tensors have none
     saved = SavedTensors(params)
-    amp_dtype = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
+    amp_dtype = autocast_dtype(precision)
     amp = rules.autocast(amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
     scaler = grad_scaler(precision, device_type)
     try:

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 import torch
 from transformers import Trainer, TrainingArguments
 
-from pipeline.training.step import STEPS
+from pipeline.core.vocabulary import precision_mode
+from pipeline.training.step import STEPS, autocast_dtype, mixed_precision_args
 
 
 class MetaTrainingArguments(TrainingArguments):
@@ -36,15 +37,16 @@ class MetaTrainer(Trainer):
 
 
 def meta_trainer(model, batch_size: int, precision: str, optim: str, gradient_accumulation: int,
-                 gradient_checkpointing: bool, device_type: str) -> MetaTrainer:
+                 gradient_checkpointing: bool, device_type: str, liger_kernel: bool = False) -> MetaTrainer:
     """`pipeline.measure.clients.trainer.training_arguments` with use_cpu=True (the accelerator must not
     ask for a GPU), the model left where it is."""
     output_dir = tempfile.mkdtemp(prefix="avp-simtrainer-")
     args = MetaTrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch_size, max_steps=STEPS,
                                  gradient_accumulation_steps=gradient_accumulation,
-                                 bf16=precision == "amp-bf16", fp16=precision == "amp-fp16",
+                                 **mixed_precision_args(precision),
                                  gradient_checkpointing=gradient_checkpointing, optim=optim,
-                                 save_strategy="no", disable_tqdm=True, use_cpu=True, report_to="none")
+                                 use_liger_kernel=liger_kernel, save_strategy="no", disable_tqdm=True, use_cpu=True,
+                                 report_to="none")
     trainer = MetaTrainer(model=model, args=args)
     trainer.simulated_device = torch.device(device_type)
     return trainer
@@ -59,9 +61,6 @@ def enable_checkpointing(trainer: Trainer, model) -> None:
                                         every_n_layers=every_n_layers, offload=offload)
 
 
-AUTOCAST_DTYPES = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
-
-
 def prepare_model(trainer: Trainer, model, rules, precision: str, prepared_before: bool = False) -> None:
     """accelerate's `prepare_model` and `prepare_optimizer` without device placement, as
     `Trainer._prepare_for_training` calls them (`accelerator.prepare(model, optimizer)`), its autocast
@@ -72,13 +71,14 @@ def prepare_model(trainer: Trainer, model, rules, precision: str, prepared_befor
     import accelerate.accelerator as accelerator_module
 
     accelerator = trainer.accelerator
-    if precision in AUTOCAST_DTYPES:
+    dtype = autocast_dtype(precision)
+    if dtype is not None:
         accelerator.native_amp = True  # accelerate on a CPU decides by the CPU's bf16 support / no fp16
-    if precision == "amp-fp16":
+    if precision_mode(precision).scaler:
         accelerator.scaler = torch.amp.GradScaler(trainer.simulated_device.type)
     if prepared_before:
         model._is_accelerate_prepared = True
-    dtype = AUTOCAST_DTYPES.get(precision, torch.bfloat16)
+    dtype = dtype or torch.bfloat16
     original = accelerator_module.get_mixed_precision_context_manager
     accelerator_module.get_mixed_precision_context_manager = lambda *a, **k: rules.autocast(dtype)
     try:

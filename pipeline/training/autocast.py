@@ -107,7 +107,11 @@ class CudaAutocast(TorchFunctionMode):
         return self.cast(value, dtype)
 
     def autocast_args(self, name: str, args, kwargs):
-        """The arguments of op `name` as CUDA autocast passes them on."""
+        """The arguments of op `name` as CUDA autocast passes them on. A call with `out=` is not cast:
+        CUDA registers its autocast kernels for the functional overloads only (`mm`, `addmm`, not
+        `mm.out`), so `torch.addmm(acc, a, b, out=acc)` runs as written (its fp32 `out` stays fp32)."""
+        if "out" in kwargs:
+            return args, kwargs
         if name in LOWER_PRECISION_OPS:
             dtype = self.autocast_dtype
         elif name in FP32_OPS:
