@@ -188,3 +188,35 @@ def test_importing_the_package_imports_no_torch():
     code = "import sys, pipeline; print(sorted({'torch', 'transformers'} & set(sys.modules)), callable(pipeline.trace))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "[] True\n"
+
+
+@pytest.mark.parametrize("precision,checkpointing", [("amp-bf16", False), ("bf16", True)])
+def test_the_trainer_client_traced_equals_the_trainer_simulator(precision, checkpointing):
+    """transformers.Trainer's steps as the Trainer client runs them (its Trainer on the model, its loop
+    re-stated), inside a trace around a model the trace built: the same peak, components and reserved
+    bytes as `trainer_peak`. (A user's own `trainer.train()` does not run in a plain trace: the Trainer
+    places the model and its batches on a real device and accelerate picks the CPU's autocast; those
+    are the client's stand-ins.)"""
+    import torch
+
+    from pipeline.simulate.trainer import TrainerRun, fused_on, trainer_peak
+    from pipeline.simulate.trainer_parts import meta_trainer
+    from pipeline.training.step import Setting, set_training_mode
+
+    with pipeline.trace(fresh_process=False) as t:
+        model = t.build(TINY_LLAMA, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+        set_training_mode(model, Setting())
+        run = TrainerRun(meta_trainer(model, 2, precision, "adamw_torch_fused", 1, checkpointing, "meta"), 24,
+                         precision, checkpointing, "meta")
+        run.attach(t.rules, t.tracker)
+        try:
+            with fused_on("meta"):
+                run.setup()
+                for _ in range(3):
+                    run.step()
+        finally:
+            run.close()
+    predicted = trainer_peak(TINY_LLAMA, Run(2, 24, precision, checkpointing=checkpointing, client="trainer"))
+    assert t.peak_bytes == predicted.peak_bytes
+    assert t.components == predicted.components
+    assert t.reserved_bytes == predicted.reserved_bytes

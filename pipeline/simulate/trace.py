@@ -91,7 +91,7 @@ class Trace:
 
     def __init__(self, device_type: str = "meta", *, gpu=None, reserve_limit: int | None = None,
                  warm: bool = False, cuda_rules: bool = True, blocks: bool = True, automatic: bool = True,
-                 stand_ins: dict | None = None):
+                 stand_ins: dict | None = None, observer=None):
         from pipeline.formulas.gpus import outside_bytes
 
         self.device_type, self.gpu, self.warm, self.automatic = device_type, gpu, warm, automatic
@@ -101,7 +101,7 @@ class Trace:
         meta = device_type == "meta"
         self.rules = KernelRules(device_type, sdpa=cuda_rules)
         self.reserved = Fanout([CachingAllocator(reserve_limit), ExpandableSegments()])
-        self.observer = UniformValues() if meta else None
+        self.observer = observer if observer is not None else (UniformValues() if meta else None)
         replaced = {**scalar_stand_ins(), **scaler_stand_ins()} if meta else {}
         if automatic and meta:
             replaced.update(self._item_stand_ins(replaced))

@@ -119,46 +119,34 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
     return simulate_run(run, steps, reserve_limit)
 
 
-def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None = None) -> dict:
-    """A Trainer client's run (`TrainerRun` or a subclass) for `steps` optimizer steps under the live-byte
-    tracker, CUDA's kernel rules, the Triton wrappers' CUDA paths and the allocator replay: the peak,
-    its components, phase peaks, the optimizer state's bytes and the reserved bytes."""
-    import torch
-
+def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None = None, warm: bool = True) -> dict:
+    """A Trainer client's run (`TrainerRun` or a subclass) for `steps` optimizer steps in a
+    `pipeline.simulate.trace.Trace` (the live-byte tracker, CUDA's kernel rules, the allocator replay;
+    `warm=False`: the process's first step, cuBLAS's workspaces made at first use) with the Triton
+    wrappers' CUDA paths: the peak, its components, phase peaks, the optimizer state's bytes and the
+    reserved bytes."""
     from pipeline.simulate.accumulation import accumulation_stand_ins
-    from pipeline.simulate.allocator import CachingAllocator, ExpandableSegments, Fanout
     from pipeline.simulate.kernel_paths import cuda_paths, out_dtype_addmm_stand_ins
-    from pipeline.simulate.kernels import CUBLAS_WORKSPACES, host_outputs, workspace_rules
-    from pipeline.simulate.rules import KernelRules
-    from pipeline.simulate.scaler import scaler_stand_ins
-    from pipeline.simulate.adapters import quantization_state
     from pipeline.simulate.shadows import Shadows, shadow_stand_ins
-    from pipeline.simulate.stand_ins import scalar_stand_ins
-    from pipeline.simulate.tracker import LiveBytesTracker
+    from pipeline.simulate.trace import Trace
 
     device_type, model = run.device_type, run.model
-    meta = device_type == "meta"
-    rules = KernelRules(device_type)
-    reserved = Fanout([CachingAllocator(reserve_limit), ExpandableSegments()])
-    shadows = Shadows() if meta else None
-    stand_ins = {**scalar_stand_ins(), **scaler_stand_ins(), **shadow_stand_ins(shadows)} if meta else {}
+    shadows = Shadows() if device_type == "meta" else None
+    stand_ins = shadow_stand_ins(shadows) if shadows is not None else {}
     stand_ins.update(accumulation_stand_ins())  # on a real CPU run too: it is the engine's rule, not the device's
     stand_ins.update(out_dtype_addmm_stand_ins())
-    tracker = LiveBytesTracker(device_type, workspace_rules(), stand_ins, shadows, CachingAllocator(), host_outputs(),
-                               reserved)
+    trace = Trace(device_type, reserve_limit=reserve_limit, warm=warm, automatic=False, stand_ins=stand_ins,
+                  observer=shadows)
+    rules, tracker, reserved = trace.rules, trace.tracker, trace.reserved
     set_training_mode(model, Setting())  # as the GPU client: checkpointing off, the Trainer switches it on
-    for tensor in list(model.parameters()) + list(model.buffers()) + quantization_state(model):
-        tracker.track(tensor, "parameters")
-    workspaces = [torch.empty(size, dtype=torch.uint8, device=device_type) for size in CUBLAS_WORKSPACES]
-    for workspace in workspaces:
-        tracker.track(workspace, "activations")
+    trace.watch(model)
     run.attach(rules, tracker)
     if run.liger:  # outside the tracker: its imports are no part of the step (pipeline.training.liger)
         from pipeline.training.liger import import_liger
 
         import_liger()
     try:
-        with cuda_paths(rules, trl=run.fused_head, liger=run.liger), rules, tracker, fused_on(device_type):
+        with cuda_paths(rules, trl=run.fused_head, liger=run.liger), trace, fused_on(device_type):
             run.setup()
             for _ in range(steps):
                 run.step()
@@ -214,13 +202,12 @@ class TrainerRun:
         self.liger_patches = None
 
     def attach(self, rules, tracker) -> None:
-        """The phases of `tracker` follow the model's forward, and gradients are tagged as they accumulate."""
+        """The phases of `tracker` follow the model's forward (the trace that `tracker` belongs to tags the
+        gradients as they accumulate)."""
         model = self.model
         self.rules, self.tracker = rules, tracker
         self.hooks = [model.register_forward_pre_hook(lambda *_: tracker.start_phase("forward", "activations")),
                       model.register_forward_hook(lambda *_: tracker.start_phase("backward", "activations"))]
-        self.hooks += [p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradients"))
-                       for p in model.parameters() if p.requires_grad]
 
     def setup(self) -> None:
         """The start of `Trainer.train()` (Liger's kernels), `_prepare_for_training` and the start of
