@@ -111,14 +111,6 @@ def packed_weight(module, config):
 
 
 
-def fresh_adapter_model(config_json: str, precision: str, attn_implementation: str | None, adapter,
-                        gradient_checkpointing: bool):
-    """The PeftModel of `cached_adapter_model`, built anew at every call: the Trainer switches
-    checkpointing and wraps the forward of the model it trains, which a cached model would keep."""
-    return cached_adapter_model.__wrapped__(config_json, precision, attn_implementation, adapter,
-                                            gradient_checkpointing)
-
-
 def quantization_state(model) -> list:
     """The tensors a quantized base keeps beside its packed weights (bitsandbytes' QuantState:
     absmax per block, the code; Int8Params' row scales), allocated with the weights."""

@@ -108,8 +108,9 @@ class CublasWorkspaces:
         else:
             tracker.after_outputs = self.after
 
-    def tensors(self) -> list:
-        return list(self.made.values())
+    def tensors(self, thread: str | None = None) -> list:
+        """The workspaces made so far (of the forward's or the backward's thread)."""
+        return [t for (made_by, _), t in self.made.items() if thread in (None, made_by)]
 
     def _make(self, size: int):
         workspace = torch.empty(size, dtype=torch.uint8, device=self.device_type)

@@ -211,6 +211,25 @@ class Trace:
             self.finished, self.seconds = True, time.perf_counter() - self.start
         return False
 
+    def record(self, build):
+        """Before the block: run `build()` (a model built, quantized or wrapped on the traced device) under
+        the tracker and CUDA's rules, so that its allocations, the transient ones too, come first and in
+        their order, as a process that builds its model on the GPU makes them (then the peak counters
+        are reset, as the measurement resets them after the build). Returns what `build` returns; `watch`
+        its model to count its weights as parameters."""
+        if self.entered:
+            raise UserError("record a build before the trace's block")
+        with self.rules, self.tracker:
+            built = build()
+        self.tracker.peaks = {}
+        for allocator in self.reserved.allocators:
+            allocator.peak = allocator.reserved
+        return built
+
+    def workspace_tensors(self, thread: str | None = None) -> list:
+        """cuBLAS's workspaces made in the block so far (of the forward's or the backward's thread)."""
+        return self.workspaces.tensors(thread) if self.workspaces is not None else []
+
     def _check_inside(self, what: str) -> None:
         if not self.entered or self.finished:
             raise UserError(f"{what} inside the trace's block: with pipeline.trace() as t: ...")

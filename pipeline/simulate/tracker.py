@@ -107,6 +107,12 @@ class LiveBytesTracker(TorchDispatchMode):
         if address is not None:
             self.reserved_allocator.free(address)
 
+    def created(self, tensor) -> int | None:
+        """The allocation count at which `tensor`'s storage was counted (None if it is not): a peak's
+        `Snapshot.seq` below it was before the storage existed."""
+        entry = self.entries.get(id(tensor.untyped_storage()))
+        return entry[3] if entry is not None else None
+
     def address_of(self, tensor):
         """The reserved allocator's block of `tensor`'s storage (None if not counted)."""
         entry = self.entries.get(id(tensor.untyped_storage()))
