@@ -99,3 +99,19 @@ def test_bad_runs_are_one_line(kwargs, message):
 
     with pytest.raises(UserError, match=message):
         dpo_peak(TINY_LLAMA, Run(**dict(dict(batch=1, seq=8, precision="bf16-autocast", client="dpo"), **kwargs)))
+
+
+def test_estimate_answers_dpo_by_the_exact_method_only(capsys):
+    """`estimate(client="dpo")` (and `estimate --client dpo`): TRL's defaults (checkpointing, bf16 autocast
+    with the weights' dtype) and the DPO simulator; the closed forms do not know DPO yet."""
+    from pipeline.cli import main
+    from pipeline.estimate import estimate
+
+    result = estimate(config=TINY_LLAMA, batch=1, seq=16, client="dpo", method="exact", weights_dtype="bf16")
+    assert result["client"] == "dpo" and result["checkpointing"] and result["precision"] == "bf16-autocast"
+    assert "dpo_peak" in result["notes"][0] and result["peak_bytes"] > 0
+    with pytest.raises(UserError, match="client dpo is estimated by the exact method only"):
+        estimate(config=TINY_LLAMA, batch=1, seq=16, client="dpo", method="formula", weights_dtype="bf16")
+    assert main(["estimate", "--params", "1000000", "--batch", "1", "--seq", "16", "--client", "dpo",
+                 "--precision", "bf16-autocast"]) == 2
+    assert "exact method only" in capsys.readouterr().err

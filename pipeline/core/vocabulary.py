@@ -66,6 +66,24 @@ def precision_mode(name: str) -> Precision:
     return PRECISION_MODES[name]
 
 
+# The dtype a model's weights were loaded in (`--weights-dtype`; a config's dtype / torch_dtype names it
+# in torch's words), which with a training file's bf16 / fp16 flag makes the precision.
+WEIGHTS_DTYPES = ("bf16", "fp32")
+WEIGHTS_DTYPE_OF_TORCH_NAME = {"bfloat16": "bf16", "float32": "fp32", "torch.bfloat16": "bf16",
+                               "torch.float32": "fp32"}
+
+
+def precision_of(weights: str, autocast: str | None) -> str:
+    """The precision of weights in `weights` (bf16 | fp32) trained under `autocast` (None | bf16 | fp16):
+    TrainingArguments(bf16=True) on a bf16 model is bf16-autocast, on an fp32 model amp-bf16."""
+    check_choice("weights dtype", weights, WEIGHTS_DTYPES)
+    for mode in PRECISION_MODES.values():
+        if mode.weights == weights and mode.autocast == autocast:
+            return mode.name
+    raise UserError(f"{autocast} autocast on {weights} weights is not a precision this project models "
+                    f"({', '.join(PRECISIONS)})")
+
+
 OPTIMIZERS = ("adamw", "sgd")  # the loop client's: torch's AdamW (foreach), SGD with momentum 0.9
 # The trainer client's `optim`, by its transformers name (TrainingArguments.optim).
 OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adamw_bnb_8bit")

@@ -48,6 +48,11 @@ DROPOUT_FIELDS = (("resid_pdrop", "hidden_dropout", "resid_dropout", "dropout"),
 COMPOSITE_ACTIVATIONS = ("gelu_new", "gelu_fast", "quick_gelu")
 DEFAULT_ACTIVATION = {"gpt2": "gelu_new", "gpt_neo": "gelu_new", "codegen": "gelu_new", "gptj": "gelu_new",
                       "phi": "gelu_new", "gpt_bigcode": "gelu_pytorch_tanh"}
+# Architectures whose norms are torch's LayerNorm (F.layer_norm: on CUDA autocast's fp32 list), and those whose
+# partial rotary embedding mixes fp32 and 16-bit halves of the queries and keys (their concatenation is fp32).
+LAYER_NORM_TYPES = {"gpt2", "gpt_neox", "opt", "bloom", "gpt_bigcode", "gpt_neo", "codegen", "xglm", "starcoder2",
+                    "phi", "gptj", "persimmon", "stablelm", "nemotron", "falcon", "mpt"}
+PARTIAL_ROTARY_TYPES = {"phi", "stablelm", "persimmon"}
 # Bytes the peak holds beside weights, gradients, state and activations: cuBLAS workspaces (2 x 32 MiB + 1 MiB).
 WORKSPACE_BYTES = 65 << 20
 # Bytes per logit of the loss's backward at its start: the fp32 gradient of log_softmax and of its input.
@@ -121,6 +126,7 @@ class Facts:
     embed_width: int = 0  # OPT's word_embed_proj_dim (projected in and out), else hidden
     dropout: tuple = (0.0, 0.0)  # (hidden states, attention probabilities) in training
     composite: bool = False  # the MLP activation is composed of elementwise ops
+    activation: str = ""  # the MLP activation's name (hidden_act / activation_function, or the type's default)
     unread: list = field(default_factory=list)
 
     @property
@@ -224,7 +230,8 @@ def _read_attention(facts: Facts, config: dict) -> None:
 def _read_mlp(facts: Facts, config: dict) -> None:
     act = str(config.get("hidden_act") or config.get("activation_function") or config.get("hidden_activation") or "")
     facts.gated = facts.model_type not in NOT_GATED
-    facts.composite = (act or DEFAULT_ACTIVATION.get(facts.model_type, "")) in COMPOSITE_ACTIVATIONS
+    facts.activation = act or DEFAULT_ACTIVATION.get(facts.model_type, "")
+    facts.composite = facts.activation in COMPOSITE_ACTIVATIONS
     if facts.model_type not in NOT_GATED | KNOWN_GATED and act:
         facts.gated = any(g in act for g in GATED_ACTIVATIONS)  # an unknown architecture: by its activation
     width = _int(config, "intermediate", None)
@@ -382,6 +389,25 @@ def feature_values(facts: Facts, seq_len: int = 1, kernel: str = "eager") -> dic
         "scores": scores if materialised else 0,
         "mask": attention * seq_len if facts.window and kernel == "fused" else 0,
     }
+
+
+def autocast_fp32_bytes(facts: Facts, checkpointing: bool = False) -> float:
+    """Bytes per token that bf16 weights under bf16 autocast save beyond bf16 without autocast: the ops on
+    CUDA autocast's fp32 list run on bf16 inputs in fp32. Each LayerNorm keeps an fp32 copy of its input
+    where bf16 kept the input itself (2 x hidden more per norm); tanh-GELU written with pow (gelu_new)
+    computes its chain in fp32 (6 x its width more per layer); a partial rotary embedding leaves fp32
+    queries and keys (2 x their width more per layer). llama-style RMSNorm upcasts to fp32 by itself,
+    the same with autocast or without: 0. With checkpointing one layer's tensors live at a time."""
+    layers = 1 if checkpointing else facts.layers
+    norms = LAYOUT.get(facts.model_type, DEFAULT_LAYOUT)[4]
+    total = 0.0
+    if facts.model_type in LAYER_NORM_TYPES:
+        total += 2 * facts.hidden * (norms * layers + 1)
+    if facts.composite and facts.activation == "gelu_new":
+        total += 6 * facts.intermediate * min(layers, facts.dense_layers)
+    if facts.model_type in PARTIAL_ROTARY_TYPES:
+        total += 2 * (facts.q_dim + facts.kv_dim) * min(layers, facts.attention_layers)
+    return total
 
 
 def korthikanti_bytes_per_token(facts: Facts, seq_len: int) -> float:

@@ -85,6 +85,7 @@ def meta_dpo_trainer(model, reference, setting: Setting, precision: str, batch: 
     placed on `device_type`; the reference prepared with CUDA's autocast of `rules`."""
     import tempfile
 
+    import datasets
     import torch
     from trl import DPOConfig, DPOTrainer
 
@@ -105,6 +106,7 @@ def meta_dpo_trainer(model, reference, setting: Setting, precision: str, batch: 
                 return data.to(self.simulated_device)
             return data
 
+    datasets.disable_progress_bars()
     vocab = vocabulary_size(model)
     args = dpo_arguments(setting, precision, batch, seq, tempfile.mkdtemp(prefix="avp-simdpo-"), MetaDPOConfig,
                          use_cpu=True)

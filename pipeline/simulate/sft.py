@@ -77,6 +77,7 @@ def meta_sft_trainer(model, setting: Setting, precision: str, batch: int, seq: i
     for a GPU), the model left where it is, its inputs placed on `device_type`."""
     import tempfile
 
+    import datasets
     import torch
     from trl import SFTConfig, SFTTrainer
 
@@ -96,6 +97,7 @@ def meta_sft_trainer(model, setting: Setting, precision: str, batch: int, seq: i
                 return data.to(self.simulated_device)
             return data
 
+    datasets.disable_progress_bars()  # the dataset's preparation, on stderr
     vocab = vocabulary_size(model)
     args = sft_arguments(setting, precision, batch, seq, tempfile.mkdtemp(prefix="avp-simsft-"), MetaSFTConfig,
                          use_cpu=True)

@@ -261,7 +261,8 @@ class Trace:
         import torch.utils.checkpoint as checkpoint_module
 
         trace = self
-        saved = {"backward": torch.autograd.backward, "foreach": optimizer_module._get_foreach_kernels_supported_devices,
+        saved = {"backward": torch.autograd.backward,
+                 "foreach": optimizer_module._get_foreach_kernels_supported_devices,
                  "fused": optimizer_module._get_fused_kernels_supported_devices,
                  "checkpoint": checkpoint_module.checkpoint}
         autocast_class, scaler_class = torch.amp.autocast_mode.autocast, torch.amp.GradScaler

@@ -22,12 +22,20 @@ PAD_ID, EOS_ID = 0, 1  # the offline tokenizer's pad and eos tokens (ids of the 
 
 
 def unavailable() -> str | None:
-    """Why SFTTrainer cannot run here (trl or datasets missing), or None."""
+    """Why SFTTrainer cannot run here (trl or datasets missing, or failing to import: a wheel carried to a
+    machine whose pyarrow or transformers it does not take), or None."""
+    import importlib
     import importlib.util
 
     for package in ("trl", "datasets"):
         if importlib.util.find_spec(package) is None:
             return f"client sft needs {package}, which is not installed here"
+    for package in ("datasets", "trl"):
+        try:
+            importlib.import_module(package)
+        except Exception as exc:  # noqa: BLE001 - the reason of a skipped row
+            first = (str(exc).strip().splitlines() or [""])[0]
+            return f"client sft needs {package}, which fails to import here: {type(exc).__name__}: {first}"[:300]
     return None
 
 

@@ -67,8 +67,9 @@ class Setting:
                 object.__setattr__(self, "optim", OPTIM_OF_LOOP_OPTIMIZER.get(optimizer))
         elif self.client in TRAINER_CLIENTS and self.optim is None:
             object.__setattr__(self, "optim", TRAINER_DEFAULT_OPTIM)
-        if isinstance(self.completion_share, int) and not isinstance(self.completion_share, bool):
-            object.__setattr__(self, "completion_share", float(self.completion_share))
+        share = self.completion_share
+        if isinstance(share, int) and not isinstance(share, bool) and 0 < share <= 1:  # 1 is 1.0 (the key's value)
+            object.__setattr__(self, "completion_share", float(share))
 
     @classmethod
     def from_row(cls, row: dict) -> Setting:
