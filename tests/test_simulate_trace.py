@@ -223,3 +223,18 @@ def test_the_trainer_client_traced_equals_the_trainer_simulator(precision, check
     assert t.peak_bytes == predicted.peak_bytes
     assert t.components == predicted.components
     assert t.reserved_bytes == predicted.reserved_bytes
+
+
+def test_a_model_is_built_from_its_id_or_config_file(tmp_path):
+    """A registry id (its embedded config.json facts) or a config.json path, as `estimate` takes them."""
+    import json
+
+    from conftest import REPO
+
+    facts = json.loads((REPO / "results" / "configs.json").read_text())["EleutherAI/pythia-14m"]["config"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(facts))
+    with pipeline.trace() as t:
+        by_id, by_path = t.build("EleutherAI/pythia-14m"), t.build(str(path))
+    assert sum(p.numel() for p in by_id.parameters()) == sum(p.numel() for p in by_path.parameters()) > 10**7
+    assert t.components["parameters"] >= 2 * 4 * 10**7

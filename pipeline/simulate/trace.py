@@ -122,13 +122,18 @@ class Trace:
 
     # -- what the traced code calls ---------------------------------------------------------------
     def build(self, config, dtype=None, attn_implementation: str | None = None):
-        """The causal LM of `config` (a config.json dict or path, or a transformers config), built in
-        the trace on its device (no weights on meta) for training: use_cache off, train mode, `dtype`
-        (a torch dtype; default float32), `attn_implementation` (default: the library's). Watched."""
-        from pipeline.inputs.configs import as_config
+        """The causal LM of `config` (a model id of the registry or the Hub, a config.json path or dict,
+        or a transformers config), built in the trace on its device (no weights on meta) for training:
+        use_cache off, train mode, `dtype` (a torch dtype; default float32), `attn_implementation`
+        (default: the library's). Watched."""
+        from pathlib import Path
+
+        from pipeline.inputs.configs import as_config, resolve_model
         from pipeline.inputs.modeling import build_model, training_config, transformers_quiet
 
         self._check_inside("build a model")
+        if isinstance(config, str) and not Path(config).exists():  # a model id
+            config = resolve_model(model_id=config).config
         dtype = torch.float32 if dtype is None else dtype
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise UserError(f"dtype must be a floating-point torch dtype, not {dtype!r}")
