@@ -133,8 +133,8 @@ def test_fused_adamw_state_is_two_moments_and_device_steps():
 
 def test_gpt2_prediction_matches_the_committed_h100_row():
     """openai-community/gpt2, B=4, L=512, amp-bf16, adamw_torch_fused (results/trainer/h100), its process's
-    first point: the model built in the trace and cuBLAS's workspaces made in the step give the reserved
-    bytes within 0.2% (as a later point: 7.3% below)."""
+    first point: the model built in the trace, the empty_cache() that starts the Trainer's loop and cuBLAS's
+    workspaces made in the step give the reserved bytes within 0.1% (as a later point: 7.3% below)."""
     import pandas as pd
 
     from pipeline.inputs.configs import load_configs
@@ -150,9 +150,9 @@ def test_gpt2_prediction_matches_the_committed_h100_row():
     assert row["peak_allocated_bytes"] == 4711264768 and row["first_in_process"]
     config = load_configs(REPO / "results/configs.json")["openai-community/gpt2"].config
     result = flat(trainer_peak(config, Run.from_row(row)))
-    assert result["peak_bytes"] == 4704054784  # -0.15%
+    assert result["peak_bytes"] == 4708924416  # -0.05%
     assert abs(result["peak_bytes"] / row["peak_allocated_bytes"] - 1) < 0.005
-    assert abs(result["peak_reserved_bytes"] / row["peak_reserved_bytes"] - 1) < 0.002
+    assert abs(result["peak_reserved_bytes"] / row["peak_reserved_bytes"] - 1) < 0.001
     assert result["peak_phase"] == "backward"
 
 

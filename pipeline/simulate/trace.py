@@ -19,7 +19,7 @@ For the block, a trace installs what the simulator's own steps run under (`pipel
   a step), `optimizer_intermediates` (made inside `optimizer.step()`) and `activations` (the rest);
   and per phase: `setup` (until the first forward), `forward` (from a batch made by the trace or a
   module's forward), `backward` (from autograd's backward), `optimizer` (from an optimizer's step to
-  the next forward);
+  the next forward); `torch.cuda.empty_cache()` in the traced code gives cached segments back;
 - CUDA's kernel rules (`rules.KernelRules`): the SDPA kernel CUDA picks and what it saves, fused
   dropout, kernels' scratch memory and outputs kept on the host; `torch.autocast("cuda", ...)` in the
   traced code switches on the emulation of CUDA's autocast (torch's own does nothing on meta tensors),
@@ -269,7 +269,7 @@ class Trace:
         saved = {"backward": torch.autograd.backward,
                  "foreach": optimizer_module._get_foreach_kernels_supported_devices,
                  "fused": optimizer_module._get_fused_kernels_supported_devices,
-                 "checkpoint": checkpoint_module.checkpoint}
+                 "checkpoint": checkpoint_module.checkpoint, "empty_cache": torch.cuda.empty_cache}
         autocast_class, scaler_class = torch.amp.autocast_mode.autocast, torch.amp.GradScaler
         autocast_methods = {name: getattr(autocast_class, name) for name in ("__init__", "__enter__", "__exit__")}
         scaler_init = scaler_class.__init__
@@ -316,6 +316,11 @@ class Trace:
             on_device = trace.device_type if device == "cuda" and trace.active else device
             return scaler_init(self, on_device, *args, **kwargs)
 
+        def empty_cache():
+            if trace.active:
+                trace.tracker.empty_cache()
+            return saved["empty_cache"]()
+
         def pre_step(optimizer, args, kwargs):
             trace.tracker.start_phase("optimizer", "optimizer_intermediates")
 
@@ -327,6 +332,7 @@ class Trace:
             trace.tracker.category = "activations"
 
         torch.autograd.backward = backward
+        torch.cuda.empty_cache = empty_cache
         optimizer_module._get_foreach_kernels_supported_devices = lambda: [*saved["foreach"](), self.device_type]
         optimizer_module._get_fused_kernels_supported_devices = lambda: [*saved["fused"](), self.device_type]
         checkpoint_module.checkpoint = checkpoint
@@ -348,6 +354,7 @@ class Trace:
             optimizer_module._get_fused_kernels_supported_devices = saved["fused"]
             optimizer_module._get_foreach_kernels_supported_devices = saved["foreach"]
             torch.autograd.backward = saved["backward"]
+            torch.cuda.empty_cache = saved["empty_cache"]
 
     def _item_stand_ins(self, replaced: dict) -> dict:
         """`.item()` of a floating-point meta tensor that nothing knows: 0.0, counted (logging asks it);

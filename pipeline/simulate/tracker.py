@@ -107,6 +107,13 @@ class LiveBytesTracker(TorchDispatchMode):
         if address is not None:
             self.reserved_allocator.free(address)
 
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache(): the cached segments that are one free block go back, in the allocated
+        bytes' replay and the reserved one."""
+        for allocator in (self.allocator, self.reserved_allocator):
+            if allocator is not None:
+                allocator.empty_cache()
+
     def created(self, tensor) -> int | None:
         """The allocation count at which `tensor`'s storage was counted (None if it is not): a peak's
         `Snapshot.seq` below it was before the storage existed."""

@@ -225,6 +225,9 @@ class TrainerRun:
         from pipeline.simulate.trainer_parts import prepare_model
 
         self.tracker.start_phase("setup", "activations")
+        # `_inner_training_loop` starts with `accelerator.free_memory()`: gc and torch.cuda.empty_cache(), which
+        # gives back the segments of a process's first point that its build left free (a tied head's weight)
+        self.tracker.empty_cache()
         trainer = self.trainer
         if self.liger:
             from transformers.integrations.liger import apply_liger_kernel
