@@ -39,9 +39,10 @@ one built elsewhere on the traced device (its weights allocated at that moment, 
 order). `device="cpu"` runs the same code for real on the CPU with real weights under the same
 tracker and rules: the meta trace and the CPU run count the same bytes (tests/test_simulate_trace.py).
 
-The named clients run on the same installation: `predict.loop_peak` (the standard step) and
-`trainer.trainer_peak` (transformers.Trainer) make a `Trace` without the automatic phases and roles
-(`automatic=False`) and mark them themselves.
+The named clients run on the same installation: `predict.loop_peak` (the standard step),
+`trainer.trainer_peak`, `sft.sft_peak` and `dpo.dpo_peak` (transformers.Trainer, TRL's SFTTrainer and
+DPOTrainer) make a `Trace` without the automatic phases and roles (`automatic=False`) and mark them
+themselves; for a process's first point they build their model in it first (`Trace.record`).
 """
 
 from __future__ import annotations
