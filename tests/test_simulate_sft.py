@@ -180,7 +180,7 @@ def test_sft_peak_answers_from_a_config_with_qlora():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(client="loop", completion_share=0.5), "completion_share is SFTTrainer's (client sft), not the loop client's"),
+    (dict(client="loop", completion_share=0.5), "completion_share is TRL's trainers' (sft, dpo), not the loop client's"),
     (dict(client="sft", completion_share=0.0), "completion_share must be a number in (0, 1]"),
     (dict(client="loop", liger_kernel=True), "liger_kernel is use_liger_kernel of the Trainer clients"),
     (dict(client="sft", optimizer="sgd"), "optimizer is the loop client's; the sft client takes optim"),

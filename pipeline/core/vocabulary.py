@@ -90,10 +90,13 @@ OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adamw_bnb_8bi
 # The loop's optimizer by its transformers name where one is exactly the same (transformers' "sgd"
 # has no momentum, the loop's has 0.9: no name).
 OPTIM_OF_LOOP_OPTIMIZER = {"adamw": "adamw_torch", "sgd": None}
-# loop: the standard training step; trainer: transformers.Trainer; sft: TRL's SFTTrainer (docs/definitions.md)
-CLIENTS = ("loop", "trainer", "sft")
+# loop: the standard training step; trainer: transformers.Trainer; sft: TRL's SFTTrainer; dpo: TRL's
+# DPOTrainer (docs/definitions.md)
+CLIENTS = ("loop", "trainer", "sft", "dpo")
 # The clients built on transformers.Trainer: they take `optim`, gradient accumulation and Liger's kernels.
-TRAINER_CLIENTS = ("trainer", "sft")
+TRAINER_CLIENTS = ("trainer", "sft", "dpo")
+# The clients of TRL's trainers: prompt-completion data, whose completion share they take.
+TRL_CLIENTS = ("sft", "dpo")
 # Adapters on a frozen base: LoRA, or QLoRA on a base quantized by bitsandbytes (nf4: 4-bit, int8: 8-bit)
 ADAPTER_METHODS = ("lora", "qlora")
 QUANTIZATIONS = ("nf4", "int8")

@@ -11,8 +11,12 @@ from pipeline.estimate.targets import resolve_target
 from pipeline.estimate.training_args import read_training_args
 from pipeline.training.values import GIB, Run, Target
 from pipeline.estimate.verdict import judge, limited, required_device, gpu_of
-from pipeline.core.vocabulary import METHODS, check_choice, precision_mode
+from pipeline.core.vocabulary import METHODS, TRL_CLIENTS, check_choice, precision_mode
 from pipeline.training.step import SFT_DEFAULT_CHECKPOINTING
+
+
+# Clients without closed forms yet: TRL's DPOTrainer (a reference model, 2B sequences a step, the fused head)
+EXACT_ONLY_CLIENTS = ("dpo",)
 
 
 def prepare(method, coefficients, model=None, config=None, params=None, active_params=None):
@@ -31,9 +35,9 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
     client and what it names; an option given explicitly wins over a file's.
 
     Without `precision`, the autocast of the file (bf16 / fp16; SFTTrainer's default bf16 for the sft
-    client) and the dtype of the weights make it (`vocabulary.precision_of`): `weights_dtype` (bf16 |
+    and dpo clients) and the dtype of the weights make it (`vocabulary.precision_of`): `weights_dtype` (bf16 |
     fp32), else the SFT config's dtype, else `declared_dtype()` (the model config's dtype / torch_dtype),
-    else fp32 (with a note). The sft client checkpoints unless told otherwise (TRL's default)."""
+    else fp32 (with a note). The sft and dpo clients checkpoint unless told otherwise (TRL's default)."""
     from pipeline.core.vocabulary import WEIGHTS_DTYPES, precision_of
 
     given = {"batch": batch, "seq": seq, "precision": precision, "checkpointing": checkpointing, "client": client,
@@ -54,8 +58,8 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
         check_choice("weights dtype", weights_dtype, WEIGHTS_DTYPES)
     client = given["client"] or "loop"
     if given["precision"] is None:
-        autocast = from_file["autocast"] if "autocast" in from_file else "bf16" if client == "sft" else None
-        if autocast is None and not from_file and client != "sft":
+        autocast = from_file["autocast"] if "autocast" in from_file else "bf16" if client in TRL_CLIENTS else None
+        if autocast is None and not from_file and client not in TRL_CLIENTS:
             raise UserError("the precision is required: --precision (precision=), or a training file's bf16 / fp16 "
                             "with the weights' dtype (--training-args, --sft-config)")
         weights = weights_dtype or from_file.get("weights") or (declared_dtype() if declared_dtype else None)
@@ -73,7 +77,7 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
     if given["seq"] is None:
         raise UserError("the sequence length is required: --seq (seq=), or max_length in the SFT config")
     if given["checkpointing"] is None:
-        given["checkpointing"] = client == "sft" and SFT_DEFAULT_CHECKPOINTING
+        given["checkpointing"] = client in TRL_CLIENTS and SFT_DEFAULT_CHECKPOINTING  # TRL's configs checkpoint
     if not isinstance(given["checkpointing"], bool):
         raise UserError(f"checkpointing must be true or false, not {given['checkpointing']!r}")
     run = Run(given["batch"], given["seq"], given["precision"], optimizer, given["checkpointing"], attn_implementation,
@@ -107,6 +111,9 @@ def prepared(what: dict, options: dict, method, coefficients, dev: Device | None
     from pipeline.estimate.targets import declared_weights_dtype
 
     check_choice("method", method, METHODS)
+    if options.get("client") in EXACT_ONLY_CLIENTS and method != "exact":
+        raise UserError(f"client {options['client']} is estimated by the exact method only (method exact, "
+                        "--method exact)")
     what = dict(what)
     what["model"], notes = model_of_file(what["model"], what["config"], what["params"], options.get("sft_config"))
     adapter = adapter_from_options(*(options.get(k) for k in ("lora_r", "lora_alpha", "lora_targets", "quantization",
@@ -137,12 +144,14 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
     The step is the standard loop's (`client="loop"`, `optimizer` adamw or sgd), transformers.Trainer's
     (`client="trainer"`, `optim` by its TrainingArguments name, default adamw_torch_fused,
     `gradient_accumulation` micro-batches per step) or TRL's SFTTrainer's (`client="sft"`: checkpointing on
-    unless `checkpointing=False`, `completion_share` the share of positions with a label); `liger_kernel`
-    runs Liger's kernels (trainer, sft). `training_args` (a TrainingArguments JSON path or dict) sets the
-    trainer and what it names, `sft_config` (TRL's SFT config, YAML or JSON, as `trl sft --config` takes it)
-    the sft client and what it names (its model_name_or_path too). Without `precision`, a file's bf16 /
-    fp16 (SFTTrainer's default bf16) and the weights' dtype make it: `weights_dtype` (bf16 | fp32), else the
-    SFT config's dtype, else the model config's dtype / torch_dtype.
+    unless `checkpointing=False`, `completion_share` the share of positions with a label) or DPOTrainer's
+    (`client="dpo"`, exact method only: `batch` preference pairs, 2B sequences of `seq` tokens, a reference
+    copy of the model, or with LoRA the base with its adapters disabled; TRL's defaults as for sft);
+    `liger_kernel` runs Liger's kernels (trainer, sft, dpo). `training_args` (a TrainingArguments JSON path or
+    dict) sets the trainer and what it names, `sft_config` (TRL's SFT config, YAML or JSON, as `trl sft --config`
+    takes it) the sft client and what it names (its model_name_or_path too). Without `precision`, a file's bf16 /
+    fp16 (SFTTrainer's default bf16) and the weights' dtype make it: `weights_dtype` (bf16 | fp32), else the SFT
+    config's dtype, else the model config's dtype / torch_dtype.
 
     LoRA: `lora_r` (rank), `lora_alpha` (default 2r), `lora_targets` ("all-linear" or module names
     joined by commas), `quantization` (nf4 | int8: QLoRA), or `peft_config` (an adapter_config.json).

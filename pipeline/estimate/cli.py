@@ -28,14 +28,15 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--batch", type=positive_int, help="batch size B (optional with --max-batch-size)")
     parser.add_argument("--seq", type=positive_int, help="sequence length L (optional with --max-seq-len)")
     parser.add_argument("--precision", choices=PRECISIONS, default=None,
-                        help="required unless a training file (--training-args, --sft-config) or --client sft sets "
+                        help="required unless a training file (--training-args, --sft-config) or --client sft/dpo sets "
                              "bf16 / fp16: then the weights' dtype decides")
     parser.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default=None,
                         help="the dtype the model is loaded in (default: the config's dtype / torch_dtype); with bf16 "
                              "autocast, bf16 weights are bf16-autocast and fp32 weights amp-bf16")
     parser.add_argument("--client", choices=CLIENTS, default=None,
-                        help="loop: the standard step (default); trainer: transformers.Trainer; sft: TRL's SFTTrainer "
-                             "(checkpointing on unless --no-checkpointing)")
+                        help="loop: the standard step (default); trainer: transformers.Trainer; sft, dpo: TRL's "
+                             "SFTTrainer, DPOTrainer (checkpointing on unless --no-checkpointing; dpo: --batch "
+                             "preference pairs, --method exact)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="the loop's (default adamw)")
     parser.add_argument("--optim", choices=OPTIMS, default=None,
                         help="the trainer's, by its TrainingArguments name (default adamw_torch_fused)")
@@ -121,7 +122,7 @@ def adapter_text(adapter: dict) -> str:
 
 
 def human_summary(result: dict) -> str:
-    client = {"trainer": "Trainer", "sft": "SFTTrainer"}.get(result["client"])
+    client = {"trainer": "Trainer", "sft": "SFTTrainer", "dpo": "DPOTrainer"}.get(result["client"])
     optimizer = result["optimizer"] if client is None else f"{client}, {result['optim']}"
     optimizer += ", Liger" if result["liger_kernel"] else ""
     optimizer += f", {result['completion_share']:g} of positions labelled" if result["completion_share"] != 1 else ""

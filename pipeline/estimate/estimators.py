@@ -193,7 +193,8 @@ class ExactEstimator(Estimator):
         simulator = ("distributed_peak (DDP / FSDP2 with a fake process group of num_gpus ranks)"
                      if run.sharding else "trainer_peak (transformers.Trainer run on the meta device)"
                      if run.client == "trainer" else "sft_peak (TRL's SFTTrainer run on the meta device)"
-                     if run.client == "sft" else "loop_peak")
+                     if run.client == "sft" else "dpo_peak (TRL's DPOTrainer and its reference model run on the "
+                     "meta device)" if run.client == "dpo" else "loop_peak")
         return Estimate(simulated.peak_bytes, simulated.components, {
             "activations_per_token": None, "activations_per_token_unit": None,
             "peak_phase": simulated.details.get("peak_phase"),

@@ -111,9 +111,17 @@ def packed_weight(module, config):
 
 
 
-def fresh_adapter_model(config_json: str, precision: str, attn_implementation: str | None, adapter,
-                        gradient_checkpointing: bool):
-    """The PeftModel of `cached_adapter_model`, built anew at every call: the Trainer switches
-    checkpointing and wraps the forward of the model it trains, which a cached model would keep."""
-    return cached_adapter_model.__wrapped__(config_json, precision, attn_implementation, adapter,
-                                            gradient_checkpointing)
+def quantization_state(model) -> list:
+    """The tensors a quantized base keeps beside its packed weights (bitsandbytes' QuantState:
+    absmax per block, the code; Int8Params' row scales), allocated with the weights."""
+    tensors = []
+    for param in model.parameters():
+        state = getattr(param, "quant_state", None)
+        while state is not None:
+            tensors += [t for t in (getattr(state, "absmax", None), getattr(state, "code", None),
+                                    getattr(state, "offset", None)) if t is not None and hasattr(t, "device")]
+            state = getattr(state, "state2", None)
+        scales = getattr(param, "SCB", None)
+        if scales is not None:
+            tensors.append(scales)
+    return tensors

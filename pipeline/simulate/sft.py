@@ -50,15 +50,21 @@ def sft_peak(config, run: Run) -> Estimate:
 
         check_adapter(run.adapter, "standard")
     from pipeline.simulate.adapters import fresh_base_model
+    from pipeline.simulate.trainer import trainer_trace
 
-    model = fresh_base_model(config_key(config), run.precision, meta_attention(run.attn_implementation),
-                             run.adapter.quantization if run.adapter else None)
     setting = Setting(client="sft", gradient_checkpointing=run.checkpointing, optim=run.optim,
                       gradient_accumulation=run.gradient_accumulation, adapter=run.adapter,
                       liger_kernel=run.liger_kernel, completion_share=run.completion_share)
-    trainer = meta_sft_trainer(model, setting, run.precision, run.batch, run.seq, "meta")
-    result = simulate_run(SFTRun(trainer, run.seq, run.precision, run.checkpointing, "meta"),
-                          reserve_limit=run.reserve_limit)
+
+    def built():
+        model = fresh_base_model(config_key(config), run.precision, meta_attention(run.attn_implementation),
+                                 run.adapter.quantization if run.adapter else None)
+        return meta_sft_trainer(model, setting, run.precision, run.batch, run.seq, "meta")
+
+    trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process)
+    # a process's first point: the base built and SFTTrainer's wrapping of it in the trace (predict.run_model)
+    trainer = trace.record(built) if run.fresh_process else built()
+    result = simulate_run(SFTRun(trainer, run.seq, run.precision, run.checkpointing, "meta"), trace=trace)
     if run.adapter is not None:
         from pipeline.training.adapters import trainable_parameters
 
@@ -107,6 +113,7 @@ class SFTRun(TrainerRun):
     """`TrainerRun` with an SFTTrainer: the micro-batches are its prepared dataset's rows through its collator."""
 
     fused_head = True
+    columns = ("input_ids", "labels", "completion_mask")  # of the prepared dataset, those the Trainer keeps
 
     def __init__(self, trainer, seq_len: int, precision: str, gradient_checkpointing: bool, device_type: str):
         super().__init__(trainer, seq_len, precision, gradient_checkpointing, device_type)
@@ -120,7 +127,7 @@ class SFTRun(TrainerRun):
         from pipeline.simulate.shadows import shadowed
 
         dataset = self.trainer.train_dataset
-        columns = [c for c in ("input_ids", "labels", "completion_mask") if c in dataset.column_names]
+        columns = [c for c in self.columns if c in dataset.column_names]
         rows = [{c: dataset[i][c] for c in columns} for i in range(self.row, self.row + self.batch_size)]
         self.row = (self.row + self.batch_size) % len(dataset)
         with _disable_current_modes():

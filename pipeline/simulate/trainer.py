@@ -47,7 +47,7 @@ import contextlib
 import time
 
 from pipeline.core.vocabulary import OPTIMS, check_choice
-from pipeline.simulate.predict import as_config, cached_meta_model, check_loop, config_key, estimate_of, meta_attention
+from pipeline.simulate.predict import as_config, check_loop, estimate_of, run_model
 from pipeline.training.step import STEPS, Setting, set_training_mode
 from pipeline.training.values import Estimate, Run
 
@@ -57,28 +57,22 @@ PHASES = ("setup", "forward", "backward", "optimizer")
 def trainer_peak(config, run: Run) -> Estimate:
     """`Trainer.train()` for three optimizer steps of `run.gradient_accumulation` micro-batches
     (client = trainer; `run.optim` by its transformers name; `run.liger_kernel`) of `config` on meta
-    tensors, as `loop_peak` answers: the peak allocated and reserved with the cuBLAS workspaces of an
-    earlier point in the process, components, and phase_peaks, peak_phase, optimizer_state_bytes,
-    seconds in details.
+    tensors, as `loop_peak` answers: the peak allocated and reserved (cuBLAS's workspaces made in the
+    step, or by an earlier point of the process: `run.fresh_process`), components, and phase_peaks,
+    peak_phase, optimizer_state_bytes, seconds in details.
 
     `run.adapter` (LoRA / QLoRA): the Trainer trains the PeftModel that the loop simulator builds
-    (`pipeline.simulate.adapters`), built anew for each call, with its own PEFT handling;
+    (`predict.run_model`), built anew for each call, with its own PEFT handling;
     `trainable_parameters` is then in details too."""
     start = time.perf_counter()
     check_choice("optim", run.optim, OPTIMS)
     check_loop(run)
     check_installed(run.optim, run.liger_kernel)
     config = as_config(config)
-    attention = meta_attention(run.attn_implementation)
-    if run.adapter is None:
-        model = cached_meta_model(config_key(config), run.precision, attention)
-    else:
-        from pipeline.simulate.adapters import check_adapter, fresh_adapter_model
-
-        check_adapter(run.adapter, "standard")
-        model = fresh_adapter_model(config_key(config), run.precision, attention, run.adapter, run.checkpointing)
+    trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process)
+    model = run_model(config, run, trace, anew=True)
     result = simulate_trainer(model, run.batch, run.seq, run.precision, run.optim, run.gradient_accumulation,
-                              run.checkpointing, reserve_limit=run.reserve_limit, liger_kernel=run.liger_kernel)
+                              run.checkpointing, liger_kernel=run.liger_kernel, trace=trace)
     if run.adapter is not None:
         from pipeline.training.adapters import trainable_parameters
 
@@ -105,7 +99,7 @@ def check_installed(optim: str, liger_kernel: bool = False) -> None:
 def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim: str, gradient_accumulation: int,
                      gradient_checkpointing: bool, device_type: str = "meta", steps: int = STEPS,
                      prepared_before: bool = False, reserve_limit: int | None = None,
-                     liger_kernel: bool = False) -> dict:
+                     liger_kernel: bool = False, warm: bool = True, trace=None) -> dict:
     """Run the Trainer's steps on `model` (on `device_type`) under the tracker; `device_type="cpu"`
     with real weights runs the same code for real (the tests compare both). `prepared_before`: the
     model was prepared by an earlier Trainer that left accelerate's mark on it (the GPU client did,
@@ -116,49 +110,31 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
                            device_type, liger_kernel)
     run = TrainerRun(trainer, seq_len, precision, gradient_checkpointing, device_type)
     run.prepared_before = prepared_before
-    return simulate_run(run, steps, reserve_limit)
+    return simulate_run(run, steps, reserve_limit, warm, trace)
 
 
-def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None = None) -> dict:
-    """A Trainer client's run (`TrainerRun` or a subclass) for `steps` optimizer steps under the live-byte
-    tracker, CUDA's kernel rules, the Triton wrappers' CUDA paths and the allocator replay: the peak,
-    its components, phase peaks, the optimizer state's bytes and the reserved bytes."""
-    import torch
-
-    from pipeline.simulate.accumulation import accumulation_stand_ins
-    from pipeline.simulate.allocator import CachingAllocator, ExpandableSegments, Fanout
-    from pipeline.simulate.kernel_paths import cuda_paths, out_dtype_addmm_stand_ins
-    from pipeline.simulate.kernels import CUBLAS_WORKSPACES, host_outputs, workspace_rules
-    from pipeline.simulate.rules import KernelRules
-    from pipeline.simulate.scaler import scaler_stand_ins
-    from pipeline.simulate.shadows import Shadows, shadow_stand_ins
-    from pipeline.simulate.stand_ins import scalar_stand_ins
-    from pipeline.simulate.step import quantization_state
-    from pipeline.simulate.tracker import LiveBytesTracker
+def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None = None, warm: bool = True,
+                 trace=None) -> dict:
+    """A Trainer client's run (`TrainerRun` or a subclass) for `steps` optimizer steps in a
+    `pipeline.simulate.trace.Trace` (the live-byte tracker, CUDA's kernel rules, the allocator replay;
+    `warm=False`: the process's first step, cuBLAS's workspaces made at first use) with the Triton
+    wrappers' CUDA paths: the peak, its components, phase peaks, the optimizer state's bytes and the
+    reserved bytes. `trace`: one made with `trainer_trace` that recorded the model's build."""
+    from pipeline.simulate.kernel_paths import cuda_paths
 
     device_type, model = run.device_type, run.model
-    meta = device_type == "meta"
-    rules = KernelRules(device_type)
-    reserved = Fanout([CachingAllocator(reserve_limit), ExpandableSegments()])
-    shadows = Shadows() if meta else None
-    stand_ins = {**scalar_stand_ins(), **scaler_stand_ins(), **shadow_stand_ins(shadows)} if meta else {}
-    stand_ins.update(accumulation_stand_ins())  # on a real CPU run too: it is the engine's rule, not the device's
-    stand_ins.update(out_dtype_addmm_stand_ins())
-    tracker = LiveBytesTracker(device_type, workspace_rules(), stand_ins, shadows, CachingAllocator(), host_outputs(),
-                               reserved)
+    trace = trace if trace is not None else trainer_trace(device_type, reserve_limit, warm)
+    rules, tracker, reserved, shadows = trace.rules, trace.tracker, trace.reserved, trace.observer
     set_training_mode(model, Setting())  # as the GPU client: checkpointing off, the Trainer switches it on
-    for tensor in list(model.parameters()) + list(model.buffers()) + quantization_state(model):
-        tracker.track(tensor, "parameters")
-    workspaces = [torch.empty(size, dtype=torch.uint8, device=device_type) for size in CUBLAS_WORKSPACES]
-    for workspace in workspaces:
-        tracker.track(workspace, "activations")
+    for counted in run.models():
+        trace.watch(counted)
     run.attach(rules, tracker)
     if run.liger:  # outside the tracker: its imports are no part of the step (pipeline.training.liger)
         from pipeline.training.liger import import_liger
 
         import_liger()
     try:
-        with cuda_paths(rules, trl=run.fused_head, liger=run.liger), rules, tracker, fused_on(device_type):
+        with cuda_paths(rules, trl=run.fused_head, liger=run.liger), trace, fused_on(device_type):
             run.setup()
             for _ in range(steps):
                 run.step()
@@ -175,9 +151,25 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
               "peak_reserved_bytes": reserved.allocators[0].peak,
               "reserve_limit_exceeded": reserved.allocators[0].out_of_memory,
               "peak_reserved_expandable_bytes": reserved.allocators[1].reserved}
-    if shadows is not None and shadows.unknown:
+    if getattr(shadows, "unknown", None):
         result["values_answered_without_data"] = len(shadows.unknown)
     return result
+
+
+def trainer_trace(device_type: str = "meta", reserve_limit: int | None = None, warm: bool = True):
+    """The Trace a Trainer client runs in: host shadows as its observer (on meta), the engine's in-place
+    gradient accumulation, the CPU's `addmm(out_dtype=...)`; phases and roles marked by the run."""
+    from pipeline.simulate.accumulation import accumulation_stand_ins
+    from pipeline.simulate.kernel_paths import out_dtype_addmm_stand_ins
+    from pipeline.simulate.shadows import Shadows, shadow_stand_ins
+    from pipeline.simulate.trace import Trace
+
+    shadows = Shadows() if device_type == "meta" else None
+    stand_ins = shadow_stand_ins(shadows) if shadows is not None else {}
+    stand_ins.update(accumulation_stand_ins())  # on a real CPU run too: it is the engine's rule, not the device's
+    stand_ins.update(out_dtype_addmm_stand_ins())
+    return Trace(device_type, reserve_limit=reserve_limit, warm=warm, automatic=False, stand_ins=stand_ins,
+                 observer=shadows)
 
 
 @contextlib.contextmanager
@@ -213,14 +205,17 @@ class TrainerRun:
         self.prepared_before = False
         self.liger_patches = None
 
+    def models(self) -> list:
+        """The models on the device whose weights are parameters (the trained one; DPO's reference too)."""
+        return [self.model]
+
     def attach(self, rules, tracker) -> None:
-        """The phases of `tracker` follow the model's forward, and gradients are tagged as they accumulate."""
+        """The phases of `tracker` follow the model's forward (the trace that `tracker` belongs to tags the
+        gradients as they accumulate)."""
         model = self.model
         self.rules, self.tracker = rules, tracker
         self.hooks = [model.register_forward_pre_hook(lambda *_: tracker.start_phase("forward", "activations")),
                       model.register_forward_hook(lambda *_: tracker.start_phase("backward", "activations"))]
-        self.hooks += [p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradients"))
-                       for p in model.parameters() if p.requires_grad]
 
     def setup(self) -> None:
         """The start of `Trainer.train()` (Liger's kernels), `_prepare_for_training` and the start of
@@ -230,6 +225,9 @@ class TrainerRun:
         from pipeline.simulate.trainer_parts import prepare_model
 
         self.tracker.start_phase("setup", "activations")
+        # `_inner_training_loop` starts with `accelerator.free_memory()`: gc and torch.cuda.empty_cache(), which
+        # gives back the segments of a process's first point that its build left free (a tied head's weight)
+        self.tracker.empty_cache()
         trainer = self.trainer
         if self.liger:
             from transformers.integrations.liger import apply_liger_kernel

@@ -64,28 +64,38 @@ def enable_checkpointing(trainer: Trainer, model) -> None:
 def prepare_model(trainer: Trainer, model, rules, precision: str, prepared_before: bool = False) -> None:
     """accelerate's `prepare_model` and `prepare_optimizer` without device placement, as
     `Trainer._prepare_for_training` calls them (`accelerator.prepare(model, optimizer)`), its autocast
-    context CUDA's. amp-fp16: the accelerator gets the scaler that accelerate makes on a GPU
-    (`get_grad_scaler`: `torch.amp.GradScaler("cuda")`, defaults) on the simulated device; on a CPU
-    accelerate makes none. `prepared_before`: the model carries accelerate's `_is_accelerate_prepared`
-    from an earlier Trainer, so `prepare_model` leaves its forward unwrapped (no autocast)."""
-    import accelerate.accelerator as accelerator_module
-
+    context CUDA's (`cuda_autocast_preparation`). amp-fp16: the accelerator gets the scaler that
+    accelerate makes on a GPU (`get_grad_scaler`: `torch.amp.GradScaler("cuda")`, defaults) on the
+    simulated device; on a CPU accelerate makes none. `prepared_before`: the model carries accelerate's
+    `_is_accelerate_prepared` from an earlier Trainer, so `prepare_model` leaves its forward unwrapped
+    (no autocast)."""
     accelerator = trainer.accelerator
-    dtype = autocast_dtype(precision)
-    if dtype is not None:
-        accelerator.native_amp = True  # accelerate on a CPU decides by the CPU's bf16 support / no fp16
     if precision_mode(precision).scaler:
         accelerator.scaler = torch.amp.GradScaler(trainer.simulated_device.type)
     if prepared_before:
         model._is_accelerate_prepared = True
+    with cuda_autocast_preparation(accelerator, rules, precision):
+        accelerator.prepare_model(model, device_placement=False)
+    trainer.optimizer = accelerator.prepare_optimizer(trainer.optimizer, device_placement=False)
+
+
+@contextlib.contextmanager
+def cuda_autocast_preparation(accelerator, rules, precision: str):
+    """accelerate's model preparation as on a GPU: its autocast wrapper of the forward (`native_amp`,
+    which accelerate on a CPU decides by the CPU's bf16 support, or never for fp16) with CUDA's autocast
+    emulated by `rules` in the precision's autocast dtype."""
+    import accelerate.accelerator as accelerator_module
+
+    dtype = autocast_dtype(precision)
+    if dtype is not None:
+        accelerator.native_amp = True
     dtype = dtype or torch.bfloat16
     original = accelerator_module.get_mixed_precision_context_manager
     accelerator_module.get_mixed_precision_context_manager = lambda *a, **k: rules.autocast(dtype)
     try:
-        accelerator.prepare_model(model, device_placement=False)
+        yield
     finally:
         accelerator_module.get_mixed_precision_context_manager = original
-    trainer.optimizer = accelerator.prepare_optimizer(trainer.optimizer, device_placement=False)
 
 
 def restore(model, trainer) -> None:

@@ -212,9 +212,11 @@ class CudaAutocast(TorchFunctionMode):
             original = getattr(module, "_gradient_checkpointing_func", None)
             if original is None or getattr(original, "_simulated", False):
                 continue
-            module._gradient_checkpointing_func = self._checkpoint_with_state(original)
+            module._gradient_checkpointing_func = self.checkpoint_with_state(original)
 
-    def _checkpoint_with_state(self, original):
+    def checkpoint_with_state(self, original):
+        """`original` (torch.utils.checkpoint.checkpoint or a partial of it) recomputing under the
+        autocast state of the forward that called it."""
         def checkpoint(function, *args, **kwargs):
             dtype = self.autocast_dtype
 

@@ -84,6 +84,21 @@ def with_client_columns_frame(frame):
     return frame
 
 
+def first_in_process(frame):
+    """Whether each row of a peak table (pandas) is the first point its process ran (`child_pid`,
+    `started_at`; a process measures one model): the first whose steps ran (CUDA's
+    `allocated_before_bytes` recorded; a skipped point or one settled after an oom ran nothing). There
+    cuBLAS's workspaces were made inside the step, not before it (`values.Run.fresh_process`)."""
+    import pandas as pd
+
+    if not {"child_pid", "started_at", "model_id"} <= set(frame.columns):
+        return pd.Series(False, index=frame.index)
+    ran = frame["allocated_before_bytes"].notna() if "allocated_before_bytes" in frame.columns else \
+        pd.Series(True, index=frame.index)
+    order = frame[ran].sort_values("started_at").groupby(["child_pid", "model_id"]).cumcount()
+    return (order == 0).reindex(frame.index, fill_value=False).astype(bool)
+
+
 def table_rows(path) -> list[dict]:
     """The rows of a peak table (parquet) as plain values, missing ones None."""
     frame = read_table(path, "peak")

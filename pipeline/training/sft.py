@@ -40,14 +40,17 @@ def unavailable() -> str | None:
 
 
 def tokenizer(vocab_size: int):
-    """An offline tokenizer over the model's ids: token i is "t{i}", pad t0, eos t1. The dataset is
-    pre-tokenized; SFTTrainer asks the tokenizer for its pad and eos ids only."""
+    """An offline tokenizer over the model's ids: token i is the word "t{i}" (words split at whitespace),
+    pad t0, eos t1. SFTTrainer's dataset is pre-tokenized (it asks for the pad and eos ids only);
+    DPOTrainer tokenizes text made of such words (`pipeline.training.dpo`)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     backend = Tokenizer(WordLevel(vocab, unk_token=f"t{PAD_ID}"))
+    backend.pre_tokenizer = WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=f"t{PAD_ID}", eos_token=f"t{EOS_ID}",
                                    unk_token=f"t{PAD_ID}")
 

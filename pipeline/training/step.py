@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pipeline.training.adapters import AdapterSpec
 from pipeline.core.errors import UserError
 from pipeline.inputs.modeling import vocabulary_size
-from pipeline.core.vocabulary import (CLIENTS, OPTIM_OF_LOOP_OPTIMIZER, OPTIMIZERS, OPTIMS, TRAINER_CLIENTS, VARIANTS,
-                                      check_choice, check_positive_int, precision_mode)
+from pipeline.core.vocabulary import (CLIENTS, OPTIM_OF_LOOP_OPTIMIZER, OPTIMIZERS, OPTIMS, TRAINER_CLIENTS, TRL_CLIENTS,
+                                      VARIANTS, check_choice, check_positive_int, precision_mode)
 
 STEPS = 3
 BLOG_ID_RANGE = 100  # the blog's ids: torch.randint(0, 100, (B, L))
@@ -45,7 +45,7 @@ class Setting:
     gradient accumulation, adapters, Liger's kernels and the completion share.
 
     `optimizer` is the loop's (adamw, sgd), `optim` the transformers name: for the loop it follows
-    from `optimizer` (None where no name is exact), for the Trainer clients (trainer, sft) it is the
+    from `optimizer` (None where no name is exact), for the Trainer clients (trainer, sft, dpo) it is the
     choice (default adamw_torch_fused) and `optimizer` is None.
     """
 
@@ -99,7 +99,7 @@ class Setting:
             if self.optim != OPTIM_OF_LOOP_OPTIMIZER[self.optimizer]:
                 raise UserError(f"optim is the trainer client's; the loop takes optimizer ({', '.join(OPTIMIZERS)})")
             if self.gradient_accumulation != 1:
-                raise UserError("gradient_accumulation other than 1 needs a Trainer client (trainer, sft)")
+                raise UserError(f"gradient_accumulation other than 1 needs a Trainer client ({', '.join(TRAINER_CLIENTS)})")
         else:
             if self.optimizer is not None:
                 raise UserError(f"optimizer is the loop client's; the {self.client} client takes optim "
@@ -113,8 +113,9 @@ class Setting:
             raise UserError(f"liger_kernel is use_liger_kernel of the Trainer clients ({', '.join(TRAINER_CLIENTS)}), "
                             f"not of the {self.client} client")
         check_share(self.completion_share)
-        if self.completion_share != 1.0 and self.client != "sft":
-            raise UserError(f"completion_share is SFTTrainer's (client sft), not the {self.client} client's")
+        if self.completion_share != 1.0 and self.client not in TRL_CLIENTS:
+            raise UserError(f"completion_share is TRL's trainers' ({', '.join(TRL_CLIENTS)}), not the {self.client} "
+                            "client's")
 
     @property
     def blog(self) -> bool:

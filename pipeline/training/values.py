@@ -44,6 +44,10 @@ class Run:
     variant: str = "standard"  # the loop's: the standard step, or the blog's own loop (vocabulary.VARIANTS)
     liger_kernel: bool = False  # use_liger_kernel=True (trainer, sft)
     completion_share: float = 1.0  # positions with a label (sft's completion_only_loss on prompt-completion data)
+    # the process's first training step (a user's script): cuBLAS's workspaces made at their first use, in the
+    # middle of the step (exact only: the loop and Trainer clients; several GPUs run a later step); False: an
+    # earlier step of the same process made them (a sweep's points after its first)
+    fresh_process: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "batch", check_positive_int("batch", self.batch, MAX_BATCH))
@@ -52,7 +56,7 @@ class Run:
             raise UserError(f"batch x seq = {self.batch * self.seq:,} tokens is more than the {MAX_TOKENS:,} this "
                             "project estimates")
         check_choice("precision", self.precision, PRECISIONS)
-        for name in ("checkpointing", "expandable_segments"):
+        for name in ("checkpointing", "expandable_segments", "fresh_process"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         object.__setattr__(self, "gradient_accumulation", check_positive_int(
             "gradient_accumulation", self.gradient_accumulation, MAX_ACCUMULATION))
@@ -89,7 +93,9 @@ class Run:
     @classmethod
     def from_row(cls, row, reserve_limit: int | None = None) -> Run:
         """The run of a measured point of a peak table (`training.points`): its client, optimizer,
-        adapter and the attention implementation the estimators tell apart (eager, sdpa; else None)."""
+        adapter, the attention implementation the estimators tell apart (eager, sdpa; else None) and
+        whether it was its process's first (`first_in_process`, `training.points.first_in_process`; a
+        row without that column: a later point)."""
         client = cell(row, "client") or "loop"
         attention = cell(row, "attn_implementation")
         share = cell(row, "completion_share")
@@ -100,7 +106,8 @@ class Run:
                    gradient_accumulation=int(cell(row, "gradient_accumulation") or 1),
                    adapter=AdapterSpec.from_row(row), reserve_limit=reserve_limit,
                    variant=cell(row, "variant") or "standard", liger_kernel=bool(cell(row, "liger_kernel") or False),
-                   completion_share=1.0 if share is None else float(share))
+                   completion_share=1.0 if share is None else float(share),
+                   fresh_process=bool(cell(row, "first_in_process") or False))
 
     def with_batch(self, batch: int) -> Run:
         return replace(self, batch=batch)

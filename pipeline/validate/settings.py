@@ -34,7 +34,7 @@ from pipeline.validate.peaks import error_summary, predicted_or_reason
 
 SETTING_KEY = ("model_id", "precision", "client", "optim", "optimizer", "gradient_accumulation",
                "gradient_checkpointing", "batch_size", "seq_len", "lora_r", "lora_alpha", "lora_targets", "quantization",
-               "liger_kernel", "completion_share")
+               "liger_kernel", "completion_share", "first_in_process")
 ROW_COLUMNS = (*SETTING_KEY, "model_type", "family", "parameters", "status", "device", "split", "setting")
 
 
@@ -43,10 +43,12 @@ def settings_rows(tables: dict):
     import pandas as pd
 
     from pipeline.core.io import read_table
+    from pipeline.training.points import first_in_process
 
     frames = []
     for path, split in tables.items():
         frame = read_table(path, "training-settings peak")
+        frame = frame.assign(first_in_process=first_in_process(frame))  # before rows are left out: the process's order
         frame = frame[(frame["status"] == "oom") | ((frame["status"] == "ok") & frame["peak_allocated_bytes"].notna())]
         frames.append(frame.assign(split=split))
     rows = pd.concat(frames, ignore_index=True)

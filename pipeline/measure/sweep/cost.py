@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.core.vocabulary import TRAINER_CLIENTS, precision_mode
+from pipeline.core.vocabulary import TRAINER_CLIENTS, TRL_CLIENTS, precision_mode
 from pipeline.measure.clients import ONE_POINT_PER_PROCESS
 from pipeline.inputs.records import ModelRecord
 from pipeline.training.step import STEPS
@@ -63,11 +63,15 @@ def predicted_peak_bytes(record: ModelRecord, point: Point, precision: str) -> f
         quantized = setting.adapter.quantization
         embeddings = 2 * record.vocab * record.hidden * 4
         static = (0.5 * n + embeddings if quantized else n * weight) + copies
+    if setting.client == "dpo" and setting.adapter is None:
+        static += n * weight  # DPOTrainer's reference model: a second copy of the weights
     per_layer = 2 * activation if point.setting.gradient_checkpointing else 34 * activation
-    # the loss's logits and their fp32 gradients; SFTTrainer's fused head scores tiles of 4096 positions instead
-    head = 0 if setting.client == "sft" else record.vocab * (activation + 8)
+    # the loss's logits and their fp32 gradients; TRL's fused head scores tiles of 4096 positions instead
+    fused = setting.client in TRL_CLIENTS
+    head = 0 if fused else record.vocab * (activation + 8)
     per_token = record.layers * record.hidden * per_layer + head
-    return static + tokens * per_token + (4096 * 32768 * 12 if setting.client == "sft" else 0)
+    sequences = 2 if setting.client == "dpo" else 1  # a preference pair is two sequences
+    return static + sequences * tokens * per_token + (4096 * 32768 * 12 if fused else 0)
 
 
 def job_estimate(job: Job, rows: list[dict], estimate: TimeModel, gpu_memory_bytes: float,
