@@ -223,7 +223,8 @@ class FormulaEstimator(FittedEstimator):
         try:
             result = closed_form_peak(section["peak"], facts, target.parameters, run.batch, run.seq, precision,
                                       run.optimizer_key, run.checkpointing, run.attn_implementation, run.client,
-                                      run.completion_share, head_trainable=run.adapter is None)
+                                      run.completion_share, head_trainable=run.adapter is None,
+                                      liger_kernel=run.liger_kernel)
         except KeyError:
             raise UserError(f"method 'formula': the coefficient file has no peak fit for "
                             f"{peak_group(precision, run.checkpointing)}") from None
@@ -253,11 +254,14 @@ assert tuple(ESTIMATORS) == METHODS
 
 
 def closed_form_notes(run: Run) -> list:
-    """What a closed form leaves out of a run: the blog's formula knows no client, and no closed form
-    models Liger's kernels (the exact method runs them)."""
+    """What a closed form leaves out of a run: the blog's formula knows no client, and the closed forms
+    model Liger's fused cross-entropy (the formula, in the Trainer) but not its other kernels (the exact
+    method runs them)."""
     notes = []
     if run.liger_kernel:
-        notes.append("Liger's kernels are not modelled by the closed forms (method exact runs them)")
+        notes.append("Liger's RMSNorm, RoPE and SwiGLU kernels are not modelled by the closed forms (an "
+                     "over-estimate; method exact runs them)" + ("; the formula models its fused linear "
+                     "cross-entropy" if run.client == "trainer" else ""))
     return notes
 
 

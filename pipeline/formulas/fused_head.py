@@ -18,7 +18,7 @@ weights' dtype: 2 for bf16 weights, 4 for fp32 ones, autocast or not), c = bytes
 
 from __future__ import annotations
 
-from pipeline.core.vocabulary import precision_mode
+from pipeline.core.vocabulary import WEIGHT_BYTES, precision_mode
 
 TILE_ROWS = 4096  # positions per projection tile (TOKEN_CHUNK_SIZE)
 TILE_WIDTH = 32768  # vocabulary entries per tile (_CHUNKED_LOGPROB_CHUNK_SIZE), however small V is
@@ -47,3 +47,19 @@ def head_bytes(vocab: int, hidden: int, batch: int, seq: int, precision: str, co
     if mode.weight_copies:
         backward += min(vocab, TILE_WIDTH) * hidden * 2
     return {"saved": float(saved), "backward": float(backward), "labelled_positions": positions}
+
+
+def liger_head_bytes(vocab: int, hidden: int, batch: int, seq: int, precision: str,
+                     head_trainable: bool = True) -> dict:
+    """Liger's fused linear cross-entropy (the Trainer's `use_liger_kernel=True`, liger-kernel 0.8
+    `fused_linear_cross_entropy_forward`) in the same words as `head_bytes`: its forward computes the
+    gradients too, in chunks of about T / ceil(V / H) positions, and keeps them for the backward: the
+    gradient of the hidden states (T x H, the stream's dtype), of the head's weight when it trains (V x H,
+    the weight's dtype: it becomes the weight's .grad) and the loss per position (fp32); its backward only
+    scales them in place. No (T, V) logits, no fp32 gradient of them."""
+    mode = precision_mode(precision)
+    tokens = batch * seq
+    saved = tokens * (hidden * mode.weight_bytes + 4)
+    if head_trainable:
+        saved += vocab * hidden * WEIGHT_BYTES[precision]
+    return {"saved": float(saved), "backward": 0.0, "labelled_positions": tokens}

@@ -35,7 +35,7 @@ from pipeline.core.vocabulary import WEIGHT_BYTES, precision_mode
 from pipeline.formulas.components import optimizer_bytes
 from pipeline.formulas.features import (FEATURES, LOSS_BACKWARD_BYTES, PER_LAYER, WORKSPACE_BYTES, attention_kernel,
                                         autocast_fp32_bytes, feature_values, matmul_parameters)
-from pipeline.formulas.fused_head import head_bytes
+from pipeline.formulas.fused_head import head_bytes, liger_head_bytes
 
 TERMS = list(FEATURES)
 AMP_COPY_BYTES = 2  # bytes per matmul weight: the bf16 copy autocast makes and autograd keeps
@@ -145,23 +145,26 @@ def fitted_group(peak_fits: dict, precision: str, checkpointing: bool) -> tuple[
 
 def closed_form_peak(peak_fits: dict, facts, parameters, batch: int, seq: int, precision: str, optimizer: str,
                      checkpointing: bool, attention=None, client: str = "loop", completion_share: float = 1.0,
-                     head_trainable: bool = True) -> dict:
+                     head_trainable: bool = True, liger_kernel: bool = False) -> dict:
     """The formula's peak, its phase and components (bytes), and `notes`; KeyError when the group was not
     fitted. `client` sft: SFTTrainer's fused head in place of the logits (`completion_share` of the
-    positions labelled; `head_trainable` False under LoRA)."""
+    positions labelled; `head_trainable` False under LoRA); the Trainer with `liger_kernel`: Liger's fused
+    linear cross-entropy in their place (Liger's RMSNorm, RoPE and SwiGLU kernels are not modelled)."""
     precision = SAME_TENSORS_AS.get(precision, precision)
     group, note = fitted_group(peak_fits, precision, checkpointing)
     coefficients = peak_fits[group]["coefficients"]
     fitted = group.split("+")[0]
     x = saved_design(facts, seq, fitted, checkpointing, known_attention(attention))
     sft = client == "sft"
-    saved = sum(coefficients.get(t, 0.0) * v for t, v in zip(TERMS, x) if not (sft and t == "vocabulary"))
+    fused = sft or (liger_kernel and client != "loop")
+    saved = sum(coefficients.get(t, 0.0) * v for t, v in zip(TERMS, x) if not (fused and t == "vocabulary"))
     if note is not None:
         saved += autocast_fp32_bytes(facts, checkpointing)
     parts = branches(facts, parameters, batch, seq, precision, optimizer, checkpointing, saved)
-    if sft:
-        head = head_bytes(facts.vocab, facts.embed_width or facts.hidden, batch, seq, precision, completion_share,
-                          head_trainable)
+    if fused:
+        width = facts.embed_width or facts.hidden
+        head = head_bytes(facts.vocab, width, batch, seq, precision, completion_share, head_trainable) if sft \
+            else liger_head_bytes(facts.vocab, width, batch, seq, precision, head_trainable)
         parts["activations"] += head["saved"] - amp_copies(facts, precision, checkpointing) \
             + amp_copies(facts, precision, checkpointing, head=False)
         parts["loss_backward"] = head["backward"]

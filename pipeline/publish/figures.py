@@ -429,7 +429,8 @@ def sft_series(rows, model_id: str) -> dict:
                 & ~rows["liger_kernel"].fillna(False).astype(bool) & (rows["completion_share"].fillna(1.0) == 1.0)
                 & (rows["gradient_accumulation"].fillna(1) == 1)]
     checkpointing = rows["gradient_checkpointing"].fillna(False).astype(bool)
-    full, lora = rows["lora_r"].isna(), (rows["lora_r"] == 16) & (rows["lora_targets"] == "all-linear")
+    full = rows["lora_r"].isna()
+    lora = (rows["lora_r"].fillna(0) == 16) & (rows["lora_targets"].fillna("") == "all-linear")  # nullable columns
     return {"Trainer (no checkpointing)": rows[(rows["client"] == "trainer") & full & ~checkpointing],
             "SFTTrainer (its defaults)": rows[(rows["client"] == "sft") & full & checkpointing],
             "SFTTrainer + LoRA r=16": rows[(rows["client"] == "sft") & lora & checkpointing]}
