@@ -23,7 +23,7 @@ def test_closed_form_parameters_match_the_counted_ones():
     errors = {m: parameter_count(read_facts(r["config"]))[0] / MODELS.loc[m, "parameters"] - 1
               for m, r in RECORDS.items() if r["status"] == "ok"}
     within = [m for m, e in errors.items() if abs(e) <= 1e-3]
-    assert len(errors) == 187 and len(within) >= 186  # jetmoe (mixture of attention heads) is the exception
+    assert len(errors) == 230 and len(within) >= 229  # jetmoe (mixture of attention heads) is the exception
     assert errors["Qwen/Qwen2.5-1.5B"] == 0 and errors["meta-llama/Llama-3.1-8B"] == 0
 
 
@@ -101,7 +101,7 @@ def test_features_subset_documents_every_column():
     from pipeline.formulas.features import feature_rows
 
     frame = pd.DataFrame(feature_rows(RECORDS))
-    assert len(frame) == 187 and undocumented_columns({"features": frame}) == []
+    assert len(frame) == 230 and undocumented_columns({"features": frame}) == []
     row = frame.set_index("model_id").loc["openai-community/gpt2"]
     assert row["feature_dropout"] == 25 * 768 and row["feature_mlp_composite"] == 12 * 3072
 
@@ -133,15 +133,16 @@ def test_formula_figures_and_peak_rows_from_the_committed_tables(tmp_path):
     from pipeline.validate.peaks import peak_comparison_markdown, write_peak_comparison
 
     points = formula_points(__import__("pathlib").Path("results"))
-    assert len(points) == 187 and points["family"].nunique() == 62
+    assert len(points) == 230 and points["family"].nunique() == 82
     assert relative_errors(points, "formula_lofo").abs().median() < 0.05
     assert relative_errors(points, "line_lofo").abs().median() > 0.3
     figure = draw_formula_vs_counted(__import__("pathlib").Path("results"))
     scatters = [c for ax in figure.axes for c in ax.collections if type(c).__name__ == "PathCollection"]
-    assert sum(len(c.get_offsets()) for c in scatters) == 3 * 187  # every model in each of the three panels
+    held_out = int(points["held_out"].sum())  # circled again in each panel (fit.formula.HELD_OUT_MODELS)
+    assert held_out == 6 and sum(len(c.get_offsets()) for c in scatters) == 3 * (230 + held_out)  # every model
     summary = json.loads(open("results/validation_summary.json").read())
     table = peak_comparison_markdown(summary)
-    assert "| closed form | leave one family out | 2505 | 0.6% | 6.3% | 28.0% | 99.9% |" in table
+    assert "| closed form | leave one family out | 2505 | 0.6% | 6.5% | 28.0% | 99.9% |" in table
     path = tmp_path / "peak_comparison.md"
     write_peak_comparison(summary, path)
     assert path.read_text().startswith("# Peak of the standard training step") and table in path.read_text()
@@ -154,13 +155,16 @@ def test_features_subset_lets_others_refit_the_hook_count():
     from pipeline.formulas.hook_features import HOOK_TERMS
 
     rows = {row["model_id"]: row for row in features_table("results/configs.json")}
-    assert len(rows) == 187
+    assert len(rows) == 230
     mixtral = rows["mistralai/Mixtral-8x7B-v0.1"]
     assert mixtral["feature_expert_activations"] == 917504 and mixtral["feature_qk_norm"] == 0
     coefficients = json.loads(open("results/coefficients.json").read())["activation_formula"]
     hook = coefficients["hook_elements"]["coefficients"]
     predictions = {row["model_id"]: row for row in coefficients["hook_predictions"]}
-    for model_id in ("mistralai/Mixtral-8x7B-v0.1", "Qwen/Qwen2.5-1.5B", "openai/gpt-oss-20b"):
+    # LFM2 and Falcon-H1: the convolution's hook term (kernel positions per token), not the saved-bytes one
+    assert rows["LiquidAI/LFM2-350M"]["feature_mixer_conv_outputs"] == 3 * rows["LiquidAI/LFM2-350M"]["feature_mixer_conv"]
+    for model_id in ("mistralai/Mixtral-8x7B-v0.1", "Qwen/Qwen2.5-1.5B", "openai/gpt-oss-20b", "LiquidAI/LFM2-350M",
+                     "tiiuae/Falcon-H1-0.5B-Instruct"):
         refit = sum(hook.get(term, 0.0) * rows[model_id][f"feature_{term}"] for term in HOOK_TERMS)
         assert refit == pytest.approx(predictions[model_id]["formula"], rel=1e-9)
 

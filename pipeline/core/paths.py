@@ -39,6 +39,10 @@ SETTINGS_TABLES = {
     # DPOTrainer (config/sweep_dpo.yaml): first measured after the simulator's DPO client was written, and
     # never tuned on
     "results/dpo/h100/peak_memory.parquet": "held-out",
+    # The 2025-26 architectures (config/sweep_new_arch*.yaml): the loop and the Trainer in fp32, bf16 and amp-bf16;
+    # the held-out plan's models are fit.formula.HELD_OUT_MODELS, out of the formula's fit as well
+    "results/new_arch/h100/peak_memory.parquet": "tuned",
+    "results/new_arch_heldout/h100/peak_memory.parquet": "held-out",
 }
 SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
 SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"

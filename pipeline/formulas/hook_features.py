@@ -42,7 +42,7 @@ QK_NORM_TYPES = {"qwen3", "qwen3_moe", "olmo2", "olmoe", "gemma3_text", "gemma4_
 # The saved-bytes terms that are no module's output: L x L scores and masks, experts as the saved bytes see
 # them, the chunked scans' states, keys and within-chunk products, the activations' inner elementwise ops.
 NOT_MODULE_OUTPUTS = ("experts", "scores", "mask", "mixer_keys", "mixer_state", "mixer_chunk", "mlp_squared",
-                      "mlp_xielu")
+                      "mlp_xielu", "mixer_conv")  # the convolution's outputs: `mixer_conv_outputs` below
 QK_NORM_FIELDS = ("use_qk_norm", "qk_layernorm")
 
 HOOK_FEATURES = {
@@ -56,8 +56,8 @@ HOOK_FEATURES = {
     "qk_norm": "attention layers x (num_attention_heads + num_key_value_heads) x head_dim where queries and keys "
                "are normalised (model type in QK_NORM_TYPES or use_qk_norm / qk_layernorm true; Llama 4: its "
                "layers with rotary embeddings)",
-    "mixer_conv": "mixer layers x the channels of its causal depthwise convolution x its kernel (the convolution's "
-                  "output at one token: kernel positions)",
+    "mixer_conv_outputs": "mixer layers x the channels of its causal depthwise convolution x its kernel (the "
+                          "convolution's output at one token: kernel positions)",
 }
 HOOK_TERMS = list(HOOK_FEATURES)
 HOOK_ONLY_TERMS = [t for t in HOOK_TERMS if t not in FEATURES]  # the hook count's own terms
@@ -87,8 +87,7 @@ def hook_feature_values(facts, config: dict) -> dict:
     per_layer = facts.moe_layers * run
     values["expert_activations"] = per_layer * facts.moe_intermediate * wide
     values["expert_outputs"] = per_layer * facts.hidden * hidden
-    if facts.mixer:
-        values["mixer_conv"] *= facts.mixer.kernel
+    values["mixer_conv_outputs"] = values["mixer_conv"] * facts.mixer.kernel if facts.mixer else 0
     query, key_value, _, _ = facts.attention_totals()
     share = normed_layers(facts, config) / facts.attention_layers if facts.attention_layers else 0
     values["qk_norm"] = round(share * (query + key_value // 2)) if has_qk_norm(facts.model_type, config) else 0
