@@ -137,23 +137,29 @@ class SimulatedSettings:
                         reserved_bytes=float(found["simulated_peak_reserved_bytes"]))
 
 
-def simulate_settings(rows, configs_path):
-    """The simulator's answer for every distinct setting of the rows (one failing point is a row)."""
+def simulate_settings(rows, configs_path, reuse=None):
+    """The simulator's answer for every distinct setting of the rows (one failing point is a row). `reuse`:
+    earlier simulate-settings tables whose ok answers are kept for the settings they hold (each with the
+    versions and commit that made it); the rest is simulated."""
     import pandas as pd
 
     from pipeline.core.provenance import software
 
     exact = OnSettingRows(ExactEstimator(), ConfigTargets(configs_path))
-    records = []
+    kept = {setting_key(r): r for r in (reuse.to_dict("records") if reuse is not None else [])
+            if r.get("simulate_status") == "ok"}
+    records, versions = [], software()
     for row in rows.drop_duplicates([*SETTING_KEY, "device"]).itertuples(index=False):
+        if setting_key(row) in kept:
+            records.append(kept[setting_key(row)])
+            continue
         peak, reserved, reason = predicted_or_reason(row, exact)
         records.append({**{name: getattr(row, name) for name in (*SETTING_KEY, "device")}, "simulated_peak_bytes": peak,
                         "simulated_peak_reserved_bytes": reserved, "simulate_status": "error" if reason else "ok",
-                        "simulate_reason": reason})
-    table = pd.DataFrame.from_records(records)
-    for name, value in software().items():
-        table[name] = value
-    return table
+                        "simulate_reason": reason, **versions})
+    columns = [*SETTING_KEY, "device", "simulated_peak_bytes", "simulated_peak_reserved_bytes", "simulate_status",
+               "simulate_reason", *versions]
+    return pd.DataFrame.from_records(records).reindex(columns=columns)
 
 
 def validate_settings(rows, coefficients: dict, configs_path, simulated=None):
@@ -225,10 +231,13 @@ def summary_markdown(summary) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_simulate_settings(tables: dict, configs_path, out_path):
-    from pipeline.core.io import write_parquet
+def run_simulate_settings(tables: dict, configs_path, out_path, reuse_paths=()):
+    import pandas as pd
 
-    table = simulate_settings(settings_rows(tables), configs_path)
+    from pipeline.core.io import read_table, write_parquet
+
+    reuse = pd.concat([read_table(path, "simulated settings") for path in reuse_paths]) if reuse_paths else None
+    table = simulate_settings(settings_rows(tables), configs_path, reuse)
     write_parquet(table, out_path)
     return table
 
@@ -256,6 +265,9 @@ def add_cli(subparsers) -> None:
     simulate.add_argument("--tables", nargs="*", metavar="PATH[=SPLIT]", help=f"default: {tables}")
     simulate.add_argument("--configs", default=CONFIGS)
     simulate.add_argument("--out", default=SETTINGS_SIMULATED)
+    simulate.add_argument("--reuse", nargs="*", default=[], metavar="TABLE",
+                          help="earlier simulate-settings tables: their ok answers are kept for the settings they "
+                               "hold (with the versions and commit that made them), the rest is simulated")
     simulate.set_defaults(handler=_simulate_command)
     validate = subparsers.add_parser("validate-settings",
                                      help=f"every estimator against the measured training settings ({tables})")
@@ -282,7 +294,7 @@ def _tables(paths: list | None) -> dict:
 
 
 def _simulate_command(args) -> int:
-    table = run_simulate_settings(_tables(args.tables), args.configs, args.out)
+    table = run_simulate_settings(_tables(args.tables), args.configs, args.out, args.reuse)
     print(f"simulate-settings: {len(table)} settings, {int((table['simulate_status'] != 'ok').sum())} failed "
           f"-> {args.out}")
     return 0
