@@ -179,7 +179,7 @@ def test_bad_sft_config_is_one_line_and_exit_2(content, message, tmp_path, capsy
     (["--client", "trainer", "--precision", "bf16", "--completion-share", "0.5"],
      "completion_share is TRL's trainers' (sft, dpo), not the trainer client's"),
     (["--precision", "bf16", "--liger-kernel"],
-     "liger_kernel is use_liger_kernel of the Trainer clients (trainer, sft), not of the loop"),
+     "liger_kernel is use_liger_kernel of the Trainer clients (trainer, sft, dpo), not of the loop client"),
     (["--client", "sft", "--precision", "amp-bf16", "--weights-dtype", "bf16"],
      "precision amp-bf16 has fp32 weights, not the weights dtype bf16"),
     (["--client", "sft", "--weights-dtype", "fp16"], "argument --weights-dtype: invalid choice"),

@@ -211,8 +211,8 @@ def run_lora_trainer(device: str, precision: str, checkpointing: bool, spec) -> 
 
     if device == "meta":
         return flat(trainer_peak(TINY_LLAMA, Run(2, 24, precision, checkpointing=checkpointing, attn_implementation="eager", client="trainer",
-                                             optim="adamw_torch_fused", adapter=spec)))
-    torch.manual_seed(0)
+                                             optim="adamw_torch_fused", adapter=spec, fresh_process=False)))
+    torch.manual_seed(0)  # the real Trainer below trains a model built before it: not a fresh process
     model = apply_adapters(build(config_from_dict(TINY_LLAMA), precision, "eager", device="cpu"), spec, checkpointing)
     return simulate_trainer(model, 2, 24, precision, "adamw_torch_fused", 1, checkpointing, device_type="cpu")
 

@@ -15,9 +15,6 @@ from pipeline.core.vocabulary import METHODS, TRL_CLIENTS, check_choice, precisi
 from pipeline.training.step import SFT_DEFAULT_CHECKPOINTING
 
 
-# Clients without closed forms yet: TRL's DPOTrainer (a reference model, 2B sequences a step, the fused head)
-EXACT_ONLY_CLIENTS = ("dpo",)
-
 
 def prepare(method, coefficients, model=None, config=None, params=None, active_params=None):
     """(estimator, target) for a method and what is estimated; one-line UserError for bad input."""
@@ -111,9 +108,6 @@ def prepared(what: dict, options: dict, method, coefficients, dev: Device | None
     from pipeline.estimate.targets import declared_weights_dtype
 
     check_choice("method", method, METHODS)
-    if options.get("client") in EXACT_ONLY_CLIENTS and method != "exact":
-        raise UserError(f"client {options['client']} is estimated by the exact method only (method exact, "
-                        "--method exact)")
     what = dict(what)
     what["model"], notes = model_of_file(what["model"], what["config"], what["params"], options.get("sft_config"))
     adapter = adapter_from_options(*(options.get(k) for k in ("lora_r", "lora_alpha", "lora_targets", "quantization",

@@ -15,6 +15,8 @@ from pipeline.formulas.components import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTE
 # Expandable segments map 20 MiB pages (large pool) and 2 MiB pages (small pool): a closed form's
 # reserved bytes are its peak plus at most one partly used page of each.
 EXPANDABLE_SLACK = (20 + 2) << 20
+# Clients only the simulator answers: DPO's policy, reference and paired batches have no closed form.
+EXACT_ONLY_CLIENTS = ("dpo",)
 
 
 class Estimator:
@@ -45,6 +47,11 @@ class ClosedFormEstimator(Estimator):
     bytes are the peak times the measured reserved/allocated ratio."""
 
     ratio = None  # reserved / allocated: reserved_ratio(coefficients)
+
+    @staticmethod
+    def check_client(run: Run) -> None:
+        if run.client in EXACT_ONLY_CLIENTS:
+            raise UserError(f"client {run.client} is estimated by the exact method only (method exact, --method exact)")
 
     @staticmethod
     def with_adapter(components: dict, target: Target, run: Run) -> dict:
@@ -97,6 +104,7 @@ class BlogEstimator(ClosedFormEstimator):
             return cls()
 
     def predict(self, target: Target, run: Run) -> Estimate:
+        self.check_client(run)
         n = target.parameters
         components = shard_components(self.with_adapter(blog_components(
             n, run.batch, run.seq, run.precision, run.optimizer_key, run.checkpointing), target, run),
@@ -145,6 +153,7 @@ class HeuristicEstimator(FittedEstimator):
         return elements, multiplier, factor
 
     def predict(self, target: Target, run: Run) -> Estimate:
+        self.check_client(run)
         elements, multiplier, factor = self.terms(target, run)
         parts = training_components(target.parameters, elements, run.batch, run.seq, run.precision,
                                     run.optimizer_key, multiplier, factor)
@@ -210,6 +219,7 @@ class FormulaEstimator(FittedEstimator):
     reads_facts_only = True
 
     def predict(self, target: Target, run: Run) -> Estimate:
+        self.check_client(run)
         from pipeline.formulas.adapter_terms import activation_precision, lora_saved_bytes_per_token
         from pipeline.formulas.features import read_facts
         from pipeline.formulas.peak import closed_form_peak, peak_group, peak_of
