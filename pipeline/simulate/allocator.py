@@ -213,7 +213,7 @@ class Fanout:
         self.allocators = list(allocators)
 
     def malloc(self, nbytes: int) -> tuple[tuple, None]:
-        return tuple(a.malloc(nbytes)[0] for a in self.allocators), None
+        return tuple([a.malloc(nbytes)[0] for a in self.allocators]), None
 
     def free(self, addresses: tuple) -> None:
         for allocator, address in zip(self.allocators, addresses):

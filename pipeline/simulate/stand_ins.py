@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -77,9 +79,11 @@ def _as_python(value, dtype):
     return int(value)
 
 
+@functools.lru_cache(maxsize=1)
 def foreach_stand_ins() -> dict:
     """The optimizers' _foreach_* ops on meta tensors, without the slow per-tensor meta fallback:
-    in-place ones allocate nothing, out-of-place ones one output like each input (as on CUDA)."""
+    in-place ones allocate nothing, out-of-place ones one output like each input (as on CUDA).
+    Built once per process (it reads every op schema); callers copy it into their own table."""
     aten = torch.ops.aten
 
     def in_place(func, args, kwargs):
