@@ -24,6 +24,7 @@ int8 (LLM.int8, Linear8bitLt) is not simulated yet: a UserError says so.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 
@@ -104,7 +105,20 @@ def packed_weight(module, config):
 
 def fresh_adapter_model(config_json: str, precision: str, attn_implementation: str | None, adapter,
                         gradient_checkpointing: bool):
-    """The PeftModel of `cached_adapter_model`, built anew at every call: the Trainer switches
-    checkpointing and wraps the forward of the model it trains, which a cached model would keep."""
+    """The PeftModel of `cached_adapter_model`, new at every call: the Trainer switches checkpointing
+    and wraps the forward of the model it trains, which a cached model would keep. A deep copy of one
+    that no step has run on (a fifth of a build for a 7B model); a quantized base is built anew
+    (bitsandbytes' 4-bit parameters on the meta device cannot be deep-copied)."""
+    if adapter.quantization:
+        return cached_adapter_model.__wrapped__(config_json, precision, attn_implementation, adapter,
+                                                gradient_checkpointing)
+    return copy.deepcopy(untouched_adapter_model(config_json, precision, attn_implementation, adapter,
+                                                 gradient_checkpointing))
+
+
+@functools.lru_cache(maxsize=2)
+def untouched_adapter_model(config_json: str, precision: str, attn_implementation: str | None, adapter,
+                            gradient_checkpointing: bool):
+    """A PeftModel as `cached_adapter_model` builds it, never trained: what `fresh_adapter_model` copies."""
     return cached_adapter_model.__wrapped__(config_json, precision, attn_implementation, adapter,
                                             gradient_checkpointing)
