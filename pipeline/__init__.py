@@ -13,3 +13,13 @@ import logging as _logging
 # ("kernels") is missing; the simulator never runs that kernel, and the line would precede every
 # QLoRA answer.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+
+
+def __getattr__(name):
+    """`pipeline.trace` (`pipeline.simulate.trace.trace`: any training code, traced), imported on first use:
+    importing the package imports no torch."""
+    if name == "trace":
+        from pipeline.simulate.trace import trace
+
+        return trace
+    raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

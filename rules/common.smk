@@ -13,10 +13,22 @@ from snakemake.utils import validate
 from pipeline.inputs.configs import read_config_records
 from pipeline.publish.dataset import failure_report
 from pipeline.publish.figures import expected_figures
-from pipeline.core.paths import (ACTIVATIONS, COEFFICIENTS, CONFIGS, MODELS, PEAKS, SETTINGS_SIMULATED, SETTINGS_SUMMARY,
-                            SETTINGS_TABLES, SETTINGS_VALIDATION, SIMULATED, VALIDATION)
+from pipeline.core import paths
+from pipeline.core.paths import SETTINGS_TABLES
 from pipeline.inputs.registry import SCHEMA_PATH as REGISTRY_SCHEMA
 from pipeline.inputs.registry import safe_name, validate_registry_data
+
+
+def in_workdir(path) -> str:
+    """A stage output's path in the workflow's working directory (the package resolves its defaults
+    to its own checkout; the workflow writes where it runs)."""
+    return str(Path(path).relative_to(paths.REPO_ROOT))
+
+
+ACTIVATIONS, COEFFICIENTS, CONFIGS, MODELS, PEAKS = map(in_workdir, (paths.ACTIVATIONS, paths.COEFFICIENTS, paths.CONFIGS,
+                                                                     paths.MODELS, paths.PEAKS))
+SETTINGS_SIMULATED, SETTINGS_SUMMARY, SETTINGS_VALIDATION, SIMULATED, VALIDATION = map(in_workdir, (
+    paths.SETTINGS_SIMULATED, paths.SETTINGS_SUMMARY, paths.SETTINGS_VALIDATION, paths.SIMULATED, paths.VALIDATION))
 
 
 # `--config publish=true` arrives as the string "true" (Snakemake only reads True/False as booleans).

@@ -25,6 +25,28 @@ TINY_GPT2 = dict(model_type="gpt2", vocab_size=512, n_embd=64, n_layer=2, n_head
 # The quickest models to count, of two families: enough for a fit with leave-one-family-out.
 MODELS = ("EleutherAI/pythia-14m", "EleutherAI/pythia-70m", "distilbert/distilgpt2", "openai-community/gpt2")
 
+def checkout_state() -> dict:
+    """Size and modification time of every file of the checkout's results/ and registry: what no test
+    may change (commands given no path read and write the checkout's own files)."""
+    files = [REGISTRY, *sorted((REPO / "results").rglob("*"))]
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()}
+
+
+def pytest_sessionstart(session):
+    session.config.checkout_state = checkout_state()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "checkout_state", None)
+    if before is None:
+        return
+    after = checkout_state()
+    changed = sorted(path for path in set(before) | set(after) if before.get(path) != after.get(path))
+    if changed:
+        print(f"\nthe tests changed the checkout's own files: {', '.join(changed[:5])}", file=sys.stderr)
+        session.exitstatus = 1
+
+
 def flat(estimate) -> dict:
     """A simulation's Estimate in the form of the step runs that real CPU checks return (peak_bytes,
     components, the reserved bytes and the details), so that the two compare key by key."""

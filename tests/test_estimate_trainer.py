@@ -54,7 +54,9 @@ def test_training_args_json_written_by_transformers(tmp_path):
     run, notes = make_run(seq=1024, training_args=path)
     assert (run.client, run.batch, run.gradient_accumulation, run.precision, run.checkpointing, run.optim) == \
         ("trainer", 6, 4, "amp-bf16", True, "adafactor")
-    assert notes == ["training args: torch.compile is not modelled"]
+    # bf16=True on weights of no declared dtype: fp32 (amp-bf16), said in a note
+    assert notes[0] == "training args: torch.compile is not modelled"
+    assert notes[1].startswith("the weights' dtype is not known (the config names none): fp32 weights are assumed")
     run, _ = make_run(batch=2, seq=1024, optim="sgd", training_args=path)  # explicit options win
     assert (run.batch, run.optim) == (2, "sgd")
 
@@ -77,7 +79,7 @@ def test_closed_forms_take_the_trainers_optimizer_state():
     (dict(client="trainer", gradient_accumulation=0), "gradient_accumulation must be a positive integer"),
     (dict(optim="adafactor"), "optim is the trainer client's; the loop takes optimizer"),
     (dict(client="trainer", optimizer="sgd"), "optimizer is the loop client's"),
-    (dict(gradient_accumulation=4), "gradient_accumulation other than 1 needs client trainer"),
+    (dict(gradient_accumulation=4), "gradient_accumulation other than 1 needs a Trainer client"),
 ])
 def test_bad_trainer_options_are_one_line_errors(options, message):
     with pytest.raises(UserError, match=message):

@@ -675,14 +675,14 @@ def output_cases() -> list[Case]:
         # the activations-vs-parameters figure draws the rows its fit used (coefficients.json): a broken
         # table it does not read does not stop it
         Case("control-figures-truncated_models_unread", "ok", [*figures, "--out", "{ws}/out"],
-             setup=truncated("models.parquet"), outputs=("out",), issue="control"),
+             setup=truncated("models.parquet"), outputs=("out",), issue="control", timeout=T_WORK),
         Case("figures-results_missing", "reject", ["figures", "--results", "{ws}/nonexistent", "--out", "{ws}/out"],
              words=(r"nonexistent",), outputs=("out",), issue="8"),
         Case("figures-results_is_a_file", "reject", ["figures", "--results", "{ws}/file.txt", "--out", "{ws}/out"],
              words=(r"file\.txt",), setup=json_file("file.txt", "keep"), outputs=("out",), issue="own"),
         Case("figures-out_with_foreign_files", "ok", [*figures, "--out", "{ws}/out"],
              setup=with_files(mini_results, lambda ws: write(ws / "out" / "a.txt", "keep")),
-             outputs=("out/activations_vs_parameters.png",), issue="own"),
+             outputs=("out/activations_vs_parameters.png",), issue="own", timeout=T_WORK),
         Case("publish-manifest_is_directory", "reject",
              ["publish", "--dataset", "{ws}/dataset", "--coefficients", "{ws}/coefficients.json", "--repo", "owner/name",
               "--dry-run", "--manifest", "{ws}/manifest"], words=(r"manifest",),

@@ -148,7 +148,7 @@ def test_loop_rows_carry_the_loop_columns(client_sweep):
     ({"client": "trainer", "gradient_accumulation": 0}, "gradient_accumulation must be a positive integer"),
     ({"client": "trainer", "variant": "blog"}, "the trainer client runs the standard variant only"),
     ({"optim": "adafactor"}, "optim is the trainer client's; the loop takes optimizer"),
-    ({"gradient_accumulation": 4}, "gradient_accumulation other than 1 needs client trainer"),
+    ({"gradient_accumulation": 4}, "gradient_accumulation other than 1 needs a Trainer client"),
 ])
 def test_bad_client_settings_are_one_line_errors(variant, message):
     with pytest.raises(UserError, match=message) as info:

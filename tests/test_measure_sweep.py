@@ -29,7 +29,7 @@ from pipeline.measure.cli import main
 REPO = Path(__file__).resolve().parent.parent
 SMALL_REGISTRY = REPO / "tests" / "data" / "models_small.yaml"
 TINY = "test/tiny-llama"  # context 64
-BROKEN = "test/broken-gpt2"  # n_embd not divisible by n_head: transformers refuses to build it
+BROKEN = "test/broken-gpt2"  # n_embd not a multiple of n_head: the config check refuses to build it
 
 
 def configs_record(family: str, facts: dict) -> dict:
@@ -208,7 +208,8 @@ def test_cpu_sweep_records_skips_and_a_model_that_cannot_be_built(cpu_sweep):
     broken = frame[frame["model_id"] == BROKEN]
     runnable = broken[~broken["reason"].str.startswith(("seq_len", "over compute"))]
     assert len(runnable) > 0 and (runnable["status"] == "error").all()
-    assert runnable["reason"].str.startswith("model build failed: ValueError: `embed_dim` must be divisible").all()
+    assert runnable["reason"].str.startswith("model build failed: UserError: test/broken-gpt2: hidden size 30 is "
+                                             "not a multiple of 4 attention heads").all()
 
 
 def test_dry_run_prints_the_plan_and_its_estimate(configs_path, tmp_path, capsys):
@@ -438,7 +439,7 @@ def test_bad_plan_and_unknown_precision_on_the_command_line(configs_path, tmp_pa
     plan = tmp_path / "plan.yaml"
     plan.write_text("grid: {batch_sizes: [1], seq_lens: [16]}\nprecisions: [fp8]\nmodels: []\n")
     assert main(["sweep", "--dry-run", "--plan", str(plan), "--configs", str(configs_path)]) == 2
-    assert capsys.readouterr().err == f"error: {plan}: precisions: precision 'fp8' is not one of fp32, bf16, amp-bf16, amp-fp16\n"
+    assert capsys.readouterr().err == f"error: {plan}: precisions: precision 'fp8' is not one of fp32, bf16, amp-bf16, amp-fp16, bf16-autocast\n"
     plan.write_text("grid: {batch_sizes: [1], seq_lens: [16]}\nmodels: [test/tiny-llama]\n")
     assert main(["sweep", "--dry-run", "--plan", str(plan), "--configs", str(configs_path),
                         "--precisions", "fp16"]) == 2

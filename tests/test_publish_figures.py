@@ -83,3 +83,29 @@ def test_a_figure_without_its_table_is_skipped_with_a_note(results, tmp_path):
     assert f"activations_vs_parameters: skipped: {partial / 'coefficients.json'} absent" in run.stdout
     assert f"peak_vs_tokens: skipped: {partial / 'peak_memory.parquet'} absent" in run.stdout
     assert sorted(p.name for p in (partial / "figures").iterdir()) == ["saved_bytes_vs_seq_len.png"]
+
+
+def test_trainer_vs_sft_figure_draws_its_three_series(tmp_path):
+    """The README's figure of issue 20 from an SFT table's rows (here the simulator's peaks of Qwen2.5-0.5B,
+    B=4, bf16-autocast, standing in for the H100 rows that config/sweep_sft.yaml measures)."""
+    import pandas as pd
+
+    from pipeline.publish.figures import draw_figures
+
+    gib = 2**30
+    rows = []
+    for client, checkpointing, lora, peaks in (("trainer", False, None, {1024: 15.08, 2048: 27.31}),
+                                               ("sft", True, None, {1024: 4.07, 2048: 4.36}),
+                                               ("sft", True, 16, {1024: 1.63, 2048: 2.18})):
+        for seq, peak in peaks.items():
+            rows.append(dict(model_id="Qwen/Qwen2.5-0.5B", status="ok", precision="bf16-autocast", client=client,
+                             gradient_checkpointing=checkpointing, lora_r=lora, lora_targets="all-linear" if lora else None,
+                             liger_kernel=False, completion_share=1.0, gradient_accumulation=1, batch_size=4,
+                             seq_len=seq, peak_allocated_bytes=int(peak * gib)))
+    table = tmp_path / "results" / "sft" / "h100" / "peak_memory.parquet"
+    table.parent.mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(table)
+    drawn = draw_figures(tmp_path / "results", tmp_path / "figures", only=["trainer_vs_sft"])
+    path = Path(drawn["trainer_vs_sft"])
+    width, height = png_size(path)
+    assert width >= 400 and height >= 300 and distinct_colours(path) > 20

@@ -187,8 +187,8 @@ def test_bad_configs_raise_user_error():
 
     with pytest.raises(UserError, match="model_type"):
         loop_peak({"model_type": "no-such-model"}, Run(1, 8, "fp32"))
-    with pytest.raises(UserError, match="cannot be built"):
-        loop_peak(dict(TINY_GPT2, n_embd=30), Run(1, 8, "fp32"))  # 30 is not divisible by 4 heads
+    with pytest.raises(UserError, match="hidden size 30 is not a multiple of 4 attention heads"):
+        loop_peak(dict(TINY_GPT2, n_embd=30), Run(1, 8, "fp32"))
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:

@@ -102,7 +102,7 @@ def test_reserved_matches_committed_h200_rows(measured, point):
     row = peaks[(peaks.model_id == model_id) & (peaks.precision == precision) & (peaks.batch_size == batch)
                 & (peaks.seq_len == seq) & ~peaks.gradient_checkpointing & (peaks.optimizer == "adamw")
                 & (peaks.variant == "standard") & (peaks.status == "ok")].iloc[0]
-    result = flat(loop_peak(configs[model_id]["config"], Run(batch, seq, precision)))
+    result = flat(loop_peak(configs[model_id]["config"], Run(batch, seq, precision, fresh_process=False)))  # later points
     assert result["peak_reserved_bytes"] == pytest.approx(row.peak_reserved_bytes, rel=0.01)
     assert result["peak_reserved_expandable_bytes"] >= result["peak_bytes"]
 
@@ -213,3 +213,55 @@ def test_a_split_after_giving_segments_back_keeps_its_free_remainder():
     allocator.free(second)
     allocator.free(first)
     assert allocator.free_blocks[True] == [(2 * mib, first)]
+
+
+# -- a process's first point: the build's allocations and cuBLAS's workspaces made in the step -------------
+
+def test_a_first_lora_point_is_reproduced_from_its_build():
+    """pythia-160m, LoRA r=16 on every linear, bf16, B=1, L=512, measured on an H100 as its process's first
+    point (results/lora_heldout/h100): reserved 1,151,336,448 bytes, 63 MiB more than the replay of a later
+    point gives. The simulator builds the model (the tied head's weight made and dropped, PEFT's adapters
+    made in bf16 and cast to fp32) and makes cuBLAS's workspaces at the first matmul of the forward and
+    of the backward: byte for byte, as on the GPU."""
+    from pipeline.simulate import simulate
+    from pipeline.training.adapters import AdapterSpec
+    from pipeline.training.points import first_in_process
+
+    table = pd.read_parquet("results/lora_heldout/h100/peak_memory.parquet")
+    row = table[first_in_process(table) & (table.model_id == "EleutherAI/pythia-160m")].iloc[0]
+    assert (row.batch_size, row.seq_len, row.lora_r, row.lora_targets) == (1, 512, 16, "all-linear")
+    config = read_config_records(CONFIGS)["EleutherAI/pythia-160m"]["config"]
+    spec = AdapterSpec.make(16, 32, "all-linear", None)
+    first = simulate(config, Run(1, 512, "bf16", adapter=spec))
+    later = simulate(config, Run(1, 512, "bf16", adapter=spec, fresh_process=False))
+    assert first.reserved_bytes == row.peak_reserved_bytes == 1151336448
+    assert later.reserved_bytes == 1080033280 and abs(first.peak_bytes / row.peak_allocated_bytes - 1) < 1e-4
+
+
+def test_the_first_point_of_each_process():
+    frame = pd.DataFrame({"model_id": ["a", "a", "a", "b", "b"], "child_pid": [7, 7, 7, 7, 8],
+                          "started_at": [3.0, 1.0, 2.0, 4.0, 5.0],
+                          "allocated_before_bytes": [10, None, 10, 10, 10]})  # the one at 1.0 did not run
+    from pipeline.training.points import first_in_process
+
+    assert first_in_process(frame).tolist() == [False, False, True, True, True]
+    assert not first_in_process(frame.drop(columns="child_pid")).any()
+
+
+def test_a_first_trainer_point_gives_back_what_its_build_left():
+    """meta-llama/Llama-3.2-1B, transformers.Trainer, amp-bf16, B=4, L=512, its process's first point
+    (results/trainer/h100): `Trainer._inner_training_loop` starts with accelerate's `free_memory()`, whose
+    torch.cuda.empty_cache() gives back the segment of the tied head's fp32 weight that the build made and
+    dropped (1 GB). Byte for byte in reserved memory, as on the H100."""
+    from pipeline.simulate import simulate
+    from pipeline.training.points import first_in_process
+
+    table = pd.read_parquet("results/trainer/h100/peak_memory.parquet")
+    table = table.assign(first_in_process=first_in_process(table))
+    rows = table[table.first_in_process & (table.model_id == "meta-llama/Llama-3.2-1B") & (table.client == "trainer")
+                 & (table.precision == "amp-bf16")]
+    row = rows.iloc[0]
+    config = read_config_records(CONFIGS)["meta-llama/Llama-3.2-1B"]["config"]
+    first = simulate(config, Run.from_row(row.to_dict()))
+    assert row.peak_reserved_bytes == first.reserved_bytes == 26575110144
+    assert first.peak_bytes == pytest.approx(row.peak_allocated_bytes, rel=1e-4)

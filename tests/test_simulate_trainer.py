@@ -132,22 +132,27 @@ def test_fused_adamw_state_is_two_moments_and_device_steps():
 
 
 def test_gpt2_prediction_matches_the_committed_h100_row():
-    """openai-community/gpt2, B=4, L=512, amp-bf16, adamw_torch_fused (results/trainer/h100)."""
+    """openai-community/gpt2, B=4, L=512, amp-bf16, adamw_torch_fused (results/trainer/h100), its process's
+    first point: the model built in the trace, the empty_cache() that starts the Trainer's loop and cuBLAS's
+    workspaces made in the step give the reserved bytes within 0.1% (as a later point: 7.3% below)."""
     import pandas as pd
 
     from pipeline.inputs.configs import load_configs
     from pipeline.simulate.trainer import trainer_peak
+    from pipeline.training.points import first_in_process
 
     peaks = pd.read_parquet(REPO / "results/trainer/h100/peak_memory.parquet")
+    peaks = peaks.assign(first_in_process=first_in_process(peaks))
     row = peaks[(peaks["model_id"] == "openai-community/gpt2") & (peaks["client"] == "trainer")
                 & (peaks["optim"] == "adamw_torch_fused") & (peaks["precision"] == "amp-bf16")
                 & (peaks["batch_size"] == 4) & (peaks["seq_len"] == 512) & (peaks["gradient_accumulation"] == 1)
                 & ~peaks["gradient_checkpointing"]].iloc[0]
-    assert row["peak_allocated_bytes"] == 4711264768
+    assert row["peak_allocated_bytes"] == 4711264768 and row["first_in_process"]
     config = load_configs(REPO / "results/configs.json")["openai-community/gpt2"].config
-    result = flat(trainer_peak(config, Run(4, 512, "amp-bf16", client="trainer", optim="adamw_torch_fused")))
-    assert result["peak_bytes"] == 4708675584  # -0.055%
+    result = flat(trainer_peak(config, Run.from_row(row)))
+    assert result["peak_bytes"] == 4708924416  # -0.05%
     assert abs(result["peak_bytes"] / row["peak_allocated_bytes"] - 1) < 0.005
+    assert abs(result["peak_reserved_bytes"] / row["peak_reserved_bytes"] - 1) < 0.001
     assert result["peak_phase"] == "backward"
 
 

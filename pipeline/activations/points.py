@@ -43,8 +43,11 @@ DEFAULT_POINTS = "standard"
 # that the table does not depend on the machine's speed. A meta forward costs about the same at any
 # L, except where the model loops over the sequence in Python: recurrent scans whose CUDA kernels
 # (mamba-ssm, causal-conv1d, the RG-LRU and WKV kernels) are absent on meta and the CPU, so that
-# transformers runs a per-token loop (mamba2-style chunked scans do not loop per token). Those are
-# counted up to this L (2-5 s per training forward on 2 cores).
+# transformers runs a per-token loop. Those are counted up to this L (2-5 s per training forward on 2
+# cores). Chunked scans loop per chunk, not per token, and are counted at every L: Mamba-2's SSD
+# (Nemotron-H, Granite 4, Falcon-H1; chunk_size tokens) and the gated delta rule (Qwen3.5, Qwen3-Next,
+# Kimi-Linear; 64 tokens), at most 1.1 s (Qwen3.5) and 3.4 s (Kimi-Linear, whose chunks loop over
+# their 64 positions too) per training forward at L=8192.
 SEQUENTIAL_SCAN_MODEL_TYPES = frozenset({"mamba", "falcon_mamba", "recurrent_gemma", "rwkv", "jamba", "zamba"})
 SCAN_MAX_SEQ_LEN = 2048
 # A CPU forward (the last path) holds its activations for real: it is tried only when they are

@@ -32,6 +32,13 @@ SETTINGS_TABLES = {
     "results/trainer_heldout/h200/peak_memory.parquet": "held-out",
     "results/lora/h100/peak_memory.parquet": "tuned",
     "results/lora_heldout/h100/peak_memory.parquet": "held-out",
+    # SFTTrainer, the Trainer in bf16-autocast and with Liger (config/sweep_sft*.yaml; sft_qlora not measured yet)
+    "results/sft/h100/peak_memory.parquet": "tuned",
+    "results/sft_qlora/h100/peak_memory.parquet": "tuned",
+    "results/sft_heldout/h100/peak_memory.parquet": "held-out",
+    # DPOTrainer (config/sweep_dpo.yaml): first measured after the simulator's DPO client was written, and
+    # never tuned on
+    "results/dpo/h100/peak_memory.parquet": "held-out",
 }
 SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
 SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"

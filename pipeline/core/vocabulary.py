@@ -8,21 +8,81 @@ Units and the meaning of each word are in docs/definitions.md.
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
 from pipeline.core.errors import UserError
 from pipeline.core.text import short
 
-# Precision modes of a training step: fp32 (weights, grads, optimizer state in fp32), bf16 (all
-# in bf16), amp-bf16 (fp32 weights and state, forward under bf16 autocast), amp-fp16 (the same
-# under fp16 autocast, the loss scaled by a gradient scaler).
-PRECISIONS = ("fp32", "bf16", "amp-bf16", "amp-fp16")
+# Precision modes of a training step (docs/definitions.md), each defined once by what it is made of:
+# the dtype of the weights, gradients and optimizer state, the dtype of the forward's autocast (None:
+# no autocast) and whether the loss goes through a gradient scaler.
+@dataclass(frozen=True)
+class Precision:
+    """A precision mode: `weights` (fp32 | bf16: weights, gradients, optimizer state), `autocast` (None |
+    bf16 | fp16: the forward under torch.autocast to that dtype) and `scaler` (a gradient scaler)."""
+
+    name: str
+    weights: str
+    autocast: str | None = None
+    scaler: bool = False
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per parameter of the weights, gradients and optimizer state."""
+        return 4 if self.weights == "fp32" else 2
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per element of the activations (the matmuls' outputs): 16 bits under autocast."""
+        return 2 if self.autocast or self.weights != "fp32" else 4
+
+    @property
+    def weight_copies(self) -> bool:
+        """Whether autocast casts fp32 weights to 16-bit copies that autograd keeps (the amp modes)."""
+        return self.autocast is not None and self.weights == "fp32"
+
+
+# fp32, bf16 (all in bf16, no autocast), amp-bf16 (fp32 weights and state, forward under bf16 autocast),
+# amp-fp16 (the same under fp16 autocast, the loss scaled by a gradient scaler), bf16-autocast (bf16
+# weights, grads and state, and the forward under bf16 autocast all the same: what Trainer / SFTTrainer
+# with bf16=True run on a model loaded in bf16).
+PRECISION_MODES = {p.name: p for p in (
+    Precision("fp32", "fp32"), Precision("bf16", "bf16"), Precision("amp-bf16", "fp32", "bf16"),
+    Precision("amp-fp16", "fp32", "fp16", scaler=True), Precision("bf16-autocast", "bf16", "bf16"))}
+PRECISIONS = tuple(PRECISION_MODES)
 # activations.parquet spells a precision by its dtype (`dtype` column); this is the one bridge.
-DTYPE_OF_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "amp-bf16": "amp-bf16", "amp-fp16": "amp-fp16"}
+DTYPE_OF_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "amp-bf16": "amp-bf16", "amp-fp16": "amp-fp16",
+                      "bf16-autocast": "bf16-autocast"}
 PRECISION_OF_DTYPE = {dtype: precision for precision, dtype in DTYPE_OF_PRECISION.items()}
-# Element size of the activations of a precision (the amp modes compute in 16 bits).
-ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "amp-bf16": 2, "amp-fp16": 2}
+# Element size of the activations of a precision (the autocast modes compute in 16 bits).
+ACTIVATION_BYTES = {name: p.activation_bytes for name, p in PRECISION_MODES.items()}
 # Bytes per parameter of the weights, gradients and optimizer state.
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "amp-bf16": 4, "amp-fp16": 4}
+WEIGHT_BYTES = {name: p.weight_bytes for name, p in PRECISION_MODES.items()}
+
+
+def precision_mode(name: str) -> Precision:
+    """The Precision called `name` (UserError naming the known ones otherwise)."""
+    check_choice("precision", name, PRECISIONS)
+    return PRECISION_MODES[name]
+
+
+# The dtype a model's weights were loaded in (`--weights-dtype`; a config's dtype / torch_dtype names it
+# in torch's words), which with a training file's bf16 / fp16 flag makes the precision.
+WEIGHTS_DTYPES = ("bf16", "fp32")
+WEIGHTS_DTYPE_OF_TORCH_NAME = {"bfloat16": "bf16", "float32": "fp32", "torch.bfloat16": "bf16",
+                               "torch.float32": "fp32"}
+
+
+def precision_of(weights: str, autocast: str | None) -> str:
+    """The precision of weights in `weights` (bf16 | fp32) trained under `autocast` (None | bf16 | fp16):
+    TrainingArguments(bf16=True) on a bf16 model is bf16-autocast, on an fp32 model amp-bf16."""
+    check_choice("weights dtype", weights, WEIGHTS_DTYPES)
+    for mode in PRECISION_MODES.values():
+        if mode.weights == weights and mode.autocast == autocast:
+            return mode.name
+    raise UserError(f"{autocast} autocast on {weights} weights is not a precision this project models "
+                    f"({', '.join(PRECISIONS)})")
+
 
 OPTIMIZERS = ("adamw", "sgd")  # the loop client's: torch's AdamW (foreach), SGD with momentum 0.9
 # The trainer client's `optim`, by its transformers name (TrainingArguments.optim).
@@ -30,8 +90,13 @@ OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adamw_bnb_8bi
 # The loop's optimizer by its transformers name where one is exactly the same (transformers' "sgd"
 # has no momentum, the loop's has 0.9: no name).
 OPTIM_OF_LOOP_OPTIMIZER = {"adamw": "adamw_torch", "sgd": None}
-# loop: the standard training step; trainer: transformers.Trainer (docs/definitions.md)
-CLIENTS = ("loop", "trainer")
+# loop: the standard training step; trainer: transformers.Trainer; sft: TRL's SFTTrainer; dpo: TRL's
+# DPOTrainer (docs/definitions.md)
+CLIENTS = ("loop", "trainer", "sft", "dpo")
+# The clients built on transformers.Trainer: they take `optim`, gradient accumulation and Liger's kernels.
+TRAINER_CLIENTS = ("trainer", "sft", "dpo")
+# The clients of TRL's trainers: prompt-completion data, whose completion share they take.
+TRL_CLIENTS = ("sft", "dpo")
 # Adapters on a frozen base: LoRA, or QLoRA on a base quantized by bitsandbytes (nf4: 4-bit, int8: 8-bit)
 ADAPTER_METHODS = ("lora", "qlora")
 QUANTIZATIONS = ("nf4", "int8")

@@ -11,7 +11,12 @@ from pipeline.estimate.targets import resolve_target
 from pipeline.estimate.training_args import read_training_args
 from pipeline.training.values import GIB, Run, Target
 from pipeline.estimate.verdict import judge, limited, required_device, gpu_of
-from pipeline.core.vocabulary import METHODS, check_choice
+from pipeline.core.vocabulary import METHODS, TRL_CLIENTS, check_choice, precision_mode
+from pipeline.training.step import SFT_DEFAULT_CHECKPOINTING
+
+
+# Clients without closed forms yet: TRL's DPOTrainer (a reference model, 2B sequences a step, the fused head)
+EXACT_ONLY_CLIENTS = ("dpo",)
 
 
 def prepare(method, coefficients, model=None, config=None, params=None, active_params=None):
@@ -23,37 +28,109 @@ def prepare(method, coefficients, model=None, config=None, params=None, active_p
 
 def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing=None, attn_implementation=None,
              expandable_segments=False, client=None, optim=None, gradient_accumulation=None,
-             training_args=None, num_gpus=1, sharding=None, adapter=None) -> tuple[Run, list]:
-    """The Run of the user's options, and notes. `training_args` (a TrainingArguments JSON path or
-    dict) sets the trainer client and what it names; an option given explicitly wins over it."""
-    given = {"batch": batch, "precision": precision, "checkpointing": checkpointing, "client": client,
-             "optim": optim, "gradient_accumulation": gradient_accumulation}
-    notes = []
+             training_args=None, num_gpus=1, sharding=None, adapter=None, liger_kernel=None, completion_share=None,
+             sft_config=None, weights_dtype=None, declared_dtype=None) -> tuple[Run, list]:
+    """The Run of the user's options, and notes. `training_args` (a TrainingArguments JSON path or dict)
+    sets the trainer client and what it names, `sft_config` (TRL's SFT config, YAML or JSON) the sft
+    client and what it names; an option given explicitly wins over a file's.
+
+    Without `precision`, the autocast of the file (bf16 / fp16; SFTTrainer's default bf16 for the sft
+    and dpo clients) and the dtype of the weights make it (`vocabulary.precision_of`): `weights_dtype` (bf16 |
+    fp32), else the SFT config's dtype, else `declared_dtype()` (the model config's dtype / torch_dtype),
+    else fp32 (with a note). The sft and dpo clients checkpoint unless told otherwise (TRL's default)."""
+    from pipeline.core.vocabulary import WEIGHTS_DTYPES, precision_of
+
+    given = {"batch": batch, "seq": seq, "precision": precision, "checkpointing": checkpointing, "client": client,
+             "optim": optim, "gradient_accumulation": gradient_accumulation, "liger_kernel": liger_kernel,
+             "adapter": adapter}
+    notes, from_file = [], {}
+    if training_args is not None and sft_config is not None:
+        raise UserError("give one of training arguments (--training-args) and an SFT config (--sft-config), not both")
     if training_args is not None:
         from_file = read_training_args(training_args)
-        notes = from_file.pop("notes")
-        given = {key: from_file.get(key) if value is None else value for key, value in given.items()}
+    elif sft_config is not None:
+        from pipeline.estimate.sft_config import read_sft_config
+
+        from_file = read_sft_config(sft_config)
+    notes = from_file.pop("notes", [])
+    given = {key: from_file.get(key) if value is None else value for key, value in given.items()}
+    if weights_dtype is not None:
+        check_choice("weights dtype", weights_dtype, WEIGHTS_DTYPES)
+    client = given["client"] or "loop"
+    if given["precision"] is None:
+        autocast = from_file["autocast"] if "autocast" in from_file else "bf16" if client in TRL_CLIENTS else None
+        if autocast is None and not from_file and client not in TRL_CLIENTS:
+            raise UserError("the precision is required: --precision (precision=), or a training file's bf16 / fp16 "
+                            "with the weights' dtype (--training-args, --sft-config)")
+        weights = weights_dtype or from_file.get("weights") or (declared_dtype() if declared_dtype else None)
+        if weights is None:
+            weights = "fp32"
+            notes.append("the weights' dtype is not known (the config names none): fp32 weights are assumed; a model "
+                         "loaded in bf16 gives --weights-dtype bf16")
+        given["precision"] = precision_of(weights, autocast)
+    elif weights_dtype is not None and precision_mode(given["precision"]).weights != weights_dtype:
+        raise UserError(f"precision {given['precision']} has {precision_mode(given['precision']).weights} weights, "
+                        f"not the weights dtype {weights_dtype}")
     if given["batch"] is None:
         raise UserError("the batch size is required: --batch (batch=), or per_device_train_batch_size in the "
-                        "training arguments (or --max-batch-size)")
-    if given["precision"] is None:
-        raise UserError("the precision is required: --precision (precision=); training arguments set it only "
-                        "with bf16 or fp16")
-    if seq is None:
-        raise UserError("the sequence length is required: --seq (seq=)")
-    run = Run(given["batch"], seq, given["precision"], optimizer,
-              False if given["checkpointing"] is None else given["checkpointing"], attn_implementation,
-              expandable_segments, given["client"] or "loop", given["optim"],
+                        "training file (or --max-batch-size)")
+    if given["seq"] is None:
+        raise UserError("the sequence length is required: --seq (seq=), or max_length in the SFT config")
+    if given["checkpointing"] is None:
+        given["checkpointing"] = client in TRL_CLIENTS and SFT_DEFAULT_CHECKPOINTING  # TRL's configs checkpoint
+    if not isinstance(given["checkpointing"], bool):
+        raise UserError(f"checkpointing must be true or false, not {given['checkpointing']!r}")
+    run = Run(given["batch"], given["seq"], given["precision"], optimizer, given["checkpointing"], attn_implementation,
+              expandable_segments, client, given["optim"],
               1 if given["gradient_accumulation"] is None else given["gradient_accumulation"], num_gpus, sharding,
-              adapter)
-    return run, [*notes, *(adapter.notes if adapter is not None else ())]
+              given["adapter"], liger_kernel=False if given["liger_kernel"] is None else given["liger_kernel"],
+              completion_share=1.0 if completion_share is None else completion_share)
+    return run, [*notes, *(given["adapter"].notes if given["adapter"] is not None else ())]
 
 
-def estimate(model=None, config=None, params=None, *, batch=None, seq, precision=None, optimizer=None,
+def model_of_file(model, config, params, sft_config) -> tuple:
+    """(model, notes): the SFT config's model_name_or_path when no model, config or parameter count is given."""
+    if sft_config is None or any(x is not None for x in (model, config, params)):
+        return model, []
+    from pipeline.estimate.sft_config import read_sft_config
+
+    named = read_sft_config(sft_config)["model"]
+    return named, ([f"sft config: the model is its model_name_or_path, {named}"] if named else [])
+
+
+RUN_OPTIONS = ("batch", "seq", "precision", "optimizer", "checkpointing", "attn_implementation", "expandable_segments",
+               "client", "optim", "gradient_accumulation", "training_args", "num_gpus", "sharding", "liger_kernel",
+               "completion_share", "sft_config", "weights_dtype")
+
+
+def prepared(what: dict, options: dict, method, coefficients, dev: Device | None) -> tuple:
+    """(estimator, target, run limited to `dev`, notes) of the public functions and the command: `what`
+    holds model, config, params, active_params (an SFT config's model_name_or_path fills a missing
+    model); `options` make_run's options plus the adapter's (lora_r, lora_alpha, lora_targets,
+    quantization, peft_config)."""
+    from pipeline.estimate.targets import declared_weights_dtype
+
+    check_choice("method", method, METHODS)
+    if options.get("client") in EXACT_ONLY_CLIENTS and method != "exact":
+        raise UserError(f"client {options['client']} is estimated by the exact method only (method exact, "
+                        "--method exact)")
+    what = dict(what)
+    what["model"], notes = model_of_file(what["model"], what["config"], what["params"], options.get("sft_config"))
+    adapter = adapter_from_options(*(options.get(k) for k in ("lora_r", "lora_alpha", "lora_targets", "quantization",
+                                                              "peft_config")))
+    run, file_notes = make_run(**{k: options[k] for k in RUN_OPTIONS if k in options}, adapter=adapter,
+                               declared_dtype=lambda: declared_weights_dtype(what["model"], what["config"]))
+    estimator, target = prepare(method, coefficients, what["model"], what["config"], what["params"],
+                                what["active_params"])
+    return estimator, target, limited(run, dev), [*notes, *file_notes]
+
+
+def estimate(model=None, config=None, params=None, *, batch=None, seq=None, precision=None, optimizer=None,
              checkpointing=None, method="heuristic", coefficients=None, gpu=None, gpu_memory_gib=None,
              attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
              gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None, lora_r=None,
-             lora_alpha=None, lora_targets=None, quantization=None, peft_config=None) -> dict:
+             lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
+             completion_share=None, sft_config=None, weights_dtype=None) -> dict:
     """Peak memory of a training step at (batch, seq), with its components (bytes).
 
     Give one of `model` (registry or Hub id), `config` (config.json path, its dict, or a
@@ -64,10 +141,17 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq, precision
     "headroom_bytes"), judged on the reserved bytes plus the memory outside PyTorch;
     `expandable_segments` replays PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
 
-    The step is the standard loop's (`client="loop"`, `optimizer` adamw or sgd) or
-    transformers.Trainer's (`client="trainer"`, `optim` by its TrainingArguments name, default
-    adamw_torch_fused, `gradient_accumulation` micro-batches per step); `training_args` (a
-    TrainingArguments JSON path or dict) sets the trainer and what it names.
+    The step is the standard loop's (`client="loop"`, `optimizer` adamw or sgd), transformers.Trainer's
+    (`client="trainer"`, `optim` by its TrainingArguments name, default adamw_torch_fused,
+    `gradient_accumulation` micro-batches per step) or TRL's SFTTrainer's (`client="sft"`: checkpointing on
+    unless `checkpointing=False`, `completion_share` the share of positions with a label) or DPOTrainer's
+    (`client="dpo"`, exact method only: `batch` preference pairs, 2B sequences of `seq` tokens, a reference
+    copy of the model, or with LoRA the base with its adapters disabled; TRL's defaults as for sft);
+    `liger_kernel` runs Liger's kernels (trainer, sft, dpo). `training_args` (a TrainingArguments JSON path or
+    dict) sets the trainer and what it names, `sft_config` (TRL's SFT config, YAML or JSON, as `trl sft --config`
+    takes it) the sft client and what it names (its model_name_or_path too). Without `precision`, a file's bf16 /
+    fp16 (SFTTrainer's default bf16) and the weights' dtype make it: `weights_dtype` (bf16 | fp32), else the SFT
+    config's dtype, else the model config's dtype / torch_dtype.
 
     LoRA: `lora_r` (rank), `lora_alpha` (default 2r), `lora_targets` ("all-linear" or module names
     joined by commas), `quantization` (nf4 | int8: QLoRA), or `peft_config` (an adapter_config.json).
@@ -75,20 +159,14 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq, precision
     Several GPUs: `num_gpus` N and `sharding` ddp | fsdp | fsdp-no-reshard (FSDP2 per decoder layer
     and the root); `batch` is per GPU and the answer is one GPU's (rank 0), its fit verdict per GPU.
     """
-    run, notes = make_run(batch, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
-                          client, optim, gradient_accumulation, training_args, num_gpus, sharding,
-                          adapter_from_options(lora_r, lora_alpha, lora_targets, quantization, peft_config))
+    options = dict(locals())
     dev = gpu_of(gpu, gpu_memory_gib)
-    estimator, target, run = for_device(method, coefficients, (model, config, params, active_params), run, dev)
+    estimator, target, run, notes = prepared(_what(options), options, method, coefficients, dev)
     return with_notes(answer(estimator, target, run, dev), notes)
 
 
-def for_device(method, coefficients, what: tuple, run: Run, dev: Device | None) -> tuple:
-    """(estimator, target, run limited to what it may reserve on `dev`) for the public functions;
-    `what` is (model, config, params, active_params)."""
-    check_choice("method", method, METHODS)
-    estimator, target = prepare(method, coefficients, *what)
-    return estimator, target, limited(run, dev)
+def _what(options: dict) -> dict:
+    return {k: options[k] for k in ("model", "config", "params", "active_params")}
 
 
 def with_notes(result: dict, notes: list) -> dict:
@@ -108,6 +186,7 @@ def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = 
               "optimizer": run.optimizer, "optim": run.optim, "gradient_accumulation": run.gradient_accumulation,
               "num_gpus": run.num_gpus, "sharding": run.sharding,
               "adapter": None if run.adapter is None else run.adapter.columns(),
+              "liger_kernel": run.liger_kernel, "completion_share": run.completion_share,
               "checkpointing": run.checkpointing, "expandable_segments": run.expandable_segments,
               **estimated.details, "components": estimated.components, "peak_formula": estimator.peak_formula,
               "peak_bytes": peak, "peak_gib": peak / GIB,
@@ -126,29 +205,29 @@ def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = 
     return result
 
 
-def max_batch_size(model=None, config=None, params=None, *, seq, precision=None, gpu=None, gpu_memory_gib=None,
+def max_batch_size(model=None, config=None, params=None, *, seq=None, precision=None, gpu=None, gpu_memory_gib=None,
                    optimizer=None, checkpointing=None, method="heuristic", coefficients=None,
                    attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
                    gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None, lora_r=None,
-                   lora_alpha=None, lora_targets=None, quantization=None, peft_config=None) -> int:
+                   lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
+                   completion_share=None, sft_config=None, weights_dtype=None) -> int:
     """The largest batch that fits the GPU at sequence length `seq` (0: none), by the fit verdict;
     the options are `estimate`'s."""
-    run, _ = make_run(1, seq, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
-                      client, optim, gradient_accumulation, training_args, num_gpus, sharding,
-                      adapter_from_options(lora_r, lora_alpha, lora_targets, quantization, peft_config))
+    options = dict(locals(), batch=1)
     dev = required_device(gpu, gpu_memory_gib)
-    return largest_batch(*for_device(method, coefficients, (model, config, params, active_params), run, dev), dev)
+    estimator, target, run, _ = prepared(_what(options), options, method, coefficients, dev)
+    return largest_batch(estimator, target, run, dev)
 
 
 def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=None, gpu=None, gpu_memory_gib=None,
                 optimizer=None, checkpointing=None, method="heuristic", coefficients=None,
                 attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
                 gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None, lora_r=None,
-                lora_alpha=None, lora_targets=None, quantization=None, peft_config=None) -> int:
+                lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
+                completion_share=None, sft_config=None, weights_dtype=None) -> int:
     """The longest sequence that fits the GPU at batch size `batch` (0: none), by the fit verdict,
     at most the model's context length when its config gives one; the options are `estimate`'s."""
-    run, _ = make_run(batch, 1, precision, optimizer, checkpointing, attn_implementation, expandable_segments,
-                      client, optim, gradient_accumulation, training_args, num_gpus, sharding,
-                      adapter_from_options(lora_r, lora_alpha, lora_targets, quantization, peft_config))
+    options = dict(locals(), seq=1)
     dev = required_device(gpu, gpu_memory_gib)
-    return largest_seq(*for_device(method, coefficients, (model, config, params, active_params), run, dev), dev)
+    estimator, target, run, _ = prepared(_what(options), options, method, coefficients, dev)
+    return largest_seq(estimator, target, run, dev)

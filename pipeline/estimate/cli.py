@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from pipeline.formulas.gpus import DEVICES
 from pipeline.core.errors import UserError
-from pipeline.estimate.api import answer, for_device, make_run, with_notes
+from pipeline.estimate.api import answer, prepared, with_notes
 from pipeline.estimate.memo import one_question
 from pipeline.estimate.search import largest_batch, largest_seq
 from pipeline.training.values import GIB
 from pipeline.estimate.verdict import gpu_of
-from pipeline.core.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, SHARDINGS
+from pipeline.core.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, SHARDINGS, WEIGHTS_DTYPES
 
 
 def add_cli(subparsers) -> None:
@@ -20,7 +21,7 @@ def add_cli(subparsers) -> None:
     from pipeline.core.paths import COEFFICIENTS
 
     parser = subparsers.add_parser("estimate", help="estimate the peak memory of a training step")
-    source = parser.add_mutually_exclusive_group(required=True)
+    source = parser.add_mutually_exclusive_group()  # one of them, or an --sft-config's model_name_or_path
     source.add_argument("--model", help="registry or Hugging Face model id")
     source.add_argument("--config", help="path of a Hugging Face config.json")
     source.add_argument("--params", help="parameter count N (blog and heuristic only)")
@@ -28,9 +29,15 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--batch", type=positive_int, help="batch size B (optional with --max-batch-size)")
     parser.add_argument("--seq", type=positive_int, help="sequence length L (optional with --max-seq-len)")
     parser.add_argument("--precision", choices=PRECISIONS, default=None,
-                        help="required unless --training-args sets bf16 or fp16")
+                        help="required unless a training file (--training-args, --sft-config) or --client sft/dpo sets "
+                             "bf16 / fp16: then the weights' dtype decides")
+    parser.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default=None,
+                        help="the dtype the model is loaded in (default: the config's dtype / torch_dtype); with bf16 "
+                             "autocast, bf16 weights are bf16-autocast and fp32 weights amp-bf16")
     parser.add_argument("--client", choices=CLIENTS, default=None,
-                        help="loop: the standard step (default); trainer: transformers.Trainer")
+                        help="loop: the standard step (default); trainer: transformers.Trainer; sft, dpo: TRL's "
+                             "SFTTrainer, DPOTrainer (checkpointing on unless --no-checkpointing; dpo: --batch "
+                             "preference pairs, --method exact)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="the loop's (default adamw)")
     parser.add_argument("--optim", choices=OPTIMS, default=None,
                         help="the trainer's, by its TrainingArguments name (default adamw_torch_fused)")
@@ -39,7 +46,17 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--training-args", default=None, metavar="FILE",
                         help="a TrainingArguments JSON (to_json_string()): the trainer client with its batch, "
                              "accumulation, bf16/fp16, checkpointing and optim; explicit options win")
-    parser.add_argument("--checkpointing", action="store_true", default=None, help="gradient checkpointing")
+    parser.add_argument("--sft-config", default=None, metavar="FILE",
+                        help="TRL's SFT config (YAML or JSON, as `trl sft --config` takes it): the sft client with its "
+                             "batch, max_length, accumulation, bf16/fp16, dtype, checkpointing, optim, LoRA/QLoRA, Liger "
+                             "and model_name_or_path; explicit options win")
+    parser.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                        help="gradient checkpointing (the sft client's default: on)")
+    parser.add_argument("--liger-kernel", action="store_true", default=None,
+                        help="Liger's kernels (use_liger_kernel=True; trainer, sft)")
+    parser.add_argument("--completion-share", type=share, default=None, metavar="S",
+                        help="the share of positions that carry a label, in (0, 1] (sft: completion_only_loss on "
+                             "prompt-completion data; default 1)")
     add_adapter_arguments(parser)
     parser.add_argument("--num-gpus", type=positive_int, default=1, metavar="N",
                         help="GPUs of a data-parallel run (with --sharding; --batch is per GPU)")
@@ -61,22 +78,30 @@ def add_cli(subparsers) -> None:
     parser.set_defaults(handler=_estimate_command)
 
 
-def _estimate_command(args) -> int:
-    from pipeline.training.adapters import adapter_from_arguments
+def share(text: str) -> float:
+    """--completion-share: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]")
+    return value
 
+
+def _estimate_command(args) -> int:
     searching = "--max-batch-size" if args.max_batch_size else "--max-seq-len" if args.max_seq_len else None
     if searching and args.gpu is None and args.gpu_memory is None:
         raise UserError(f"{searching} needs --gpu NAME or --gpu-memory GIB")
-    if args.seq is None and not args.max_seq_len:
-        raise UserError("--seq L is required (unless --max-seq-len)")
-    batch = 1 if args.max_batch_size and args.batch is None else args.batch
-    run, notes = make_run(batch, args.seq or 1, args.precision, args.optimizer, args.checkpointing,
-                          args.attn_implementation, args.expandable_segments, args.client, args.optim,
-                          args.gradient_accumulation, args.training_args, args.num_gpus, args.sharding,
-                          adapter_from_arguments(args))
+    if args.seq is None and not args.max_seq_len and args.sft_config is None:
+        raise UserError("--seq L is required (unless --max-seq-len, or an --sft-config with max_length)")
+    if args.model is None and args.config is None and args.params is None and args.sft_config is None:
+        raise UserError("give one of --model, --config and --params (or an --sft-config naming model_name_or_path)")
+    options = dict(vars(args), batch=1 if args.max_batch_size and args.batch is None else args.batch,
+                   seq=1 if args.max_seq_len and args.seq is None else args.seq, gpu_memory_gib=args.gpu_memory)
     dev = gpu_of(args.gpu, args.gpu_memory)
-    estimator, target, run = for_device(args.method, args.coefficients,
-                                        (args.model, args.config, args.params, args.active_params), run, dev)
+    estimator, target, run, notes = prepared({k: options[k] for k in ("model", "config", "params", "active_params")},
+                                             options, args.method, args.coefficients, dev)
     with one_question():  # the answer at the value found repeats one of the search's simulations
         if args.max_batch_size:
             largest_found = largest_batch(estimator, target, run, dev)
@@ -99,7 +124,10 @@ def adapter_text(adapter: dict) -> str:
 
 
 def human_summary(result: dict) -> str:
-    optimizer = result["optimizer"] if result["client"] == "loop" else f"Trainer, {result['optim']}"
+    client = {"trainer": "Trainer", "sft": "SFTTrainer", "dpo": "DPOTrainer"}.get(result["client"])
+    optimizer = result["optimizer"] if client is None else f"{client}, {result['optim']}"
+    optimizer += ", Liger" if result["liger_kernel"] else ""
+    optimizer += f", {result['completion_share']:g} of positions labelled" if result["completion_share"] != 1 else ""
     accumulation = result["gradient_accumulation"]
     lines = [f"{result['method']}: {result['peak_bytes'] / GIB:.2f} GiB peak for N = {result['parameters']:,} "
              f"at B={result['batch_size']}, L={result['seq_len']}, {result['precision']}, {optimizer}"

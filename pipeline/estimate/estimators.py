@@ -8,9 +8,9 @@ from pipeline.formulas.coefficients import reserved_ratio, resolve_coefficients
 from pipeline.core.errors import UserError
 from pipeline.core.vocabulary import METHODS
 from pipeline.training.values import Estimate, Run, Target
-from pipeline.formulas.components import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, BLOG_NOTES, BLOG_P, OUTSIDE_MAX,
-                               PEAK_FORMULAS, blog_a_bytes, blog_components, blog_peak, heuristic_peak,
-                               shard_components, training_components)
+from pipeline.formulas.components import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, BLOG_NOTES, BLOG_P, MEASURED_LIKE,
+                                          OUTSIDE_MAX, PEAK_FORMULAS, blog_a_bytes, blog_components, blog_peak,
+                                          heuristic_peak, shard_components, training_components)
 
 # Expandable segments map 20 MiB pages (large pool) and 2 MiB pages (small pool): a closed form's
 # reserved bytes are its peak plus at most one partly used page of each.
@@ -58,7 +58,8 @@ class ClosedFormEstimator(Estimator):
 
         spec = run.adapter
         return adapter_components(components, read_facts(config_dict(target.config)), target.parameters,
-                                  run.precision, run.optimizer_key, spec.r, spec.targets, spec.quantization)
+                                  run.precision, run.optimizer_key, spec.r, spec.targets, spec.quantization,
+                                  upcast=run.client != "sft")
 
     def with_reserved(self, estimate: Estimate) -> Estimate:
         estimate.reserved_bytes = estimate.peak_bytes * self.ratio["value"]
@@ -103,7 +104,7 @@ class BlogEstimator(ClosedFormEstimator):
         return self.with_reserved(Estimate(blog_peak(components), components, {
             "activations_per_token": blog_a_bytes(n),
             "activations_per_token_unit": "fp32 bytes (as published; the formula multiplies by P again)",
-            "bytes_per_parameter": BLOG_P[run.precision], "notes": list(BLOG_NOTES)}))
+            "bytes_per_parameter": BLOG_P[run.precision], "notes": [*BLOG_NOTES, *closed_form_notes(run)]}))
 
 
 @dataclass
@@ -130,8 +131,11 @@ class HeuristicEstimator(FittedEstimator):
         constants = c["estimator"]
         x = target.active if c.get("x") == "active_parameters" else target.parameters
         elements = c["a"] * x + c["b"]
-        multipliers = constants["activation_multiplier"]  # a file fitted before amp-fp16: amp-bf16's for it
-        multiplier = multipliers.get(run.precision, multipliers["amp-bf16"])["value"]
+        multipliers = constants["activation_multiplier"]
+        own = multipliers.get(run.precision)
+        if not own or not own.get("n_points"):  # not measured: the precision of the same sizes stands in
+            own = multipliers.get(MEASURED_LIKE.get(run.precision), own)
+        multiplier = own["value"]
         factor = 1.0
         if run.checkpointing:
             factor = constants["checkpointing_factor"]["value"]
@@ -142,20 +146,40 @@ class HeuristicEstimator(FittedEstimator):
 
     def predict(self, target: Target, run: Run) -> Estimate:
         elements, multiplier, factor = self.terms(target, run)
-        components = shard_components(self.with_adapter(training_components(
-            target.parameters, elements, run.batch, run.seq, run.precision, run.optimizer_key, multiplier, factor),
-            target, run), run.num_gpus, run.sharding)
+        parts = training_components(target.parameters, elements, run.batch, run.seq, run.precision,
+                                    run.optimizer_key, multiplier, factor)
+        head_note = self.with_fused_head(parts, target, run, multiplier * factor)
+        components = shard_components(self.with_adapter(parts, target, run), run.num_gpus, run.sharding)
         c = self.coefficients
         note = ("activations = multiplier x A x B x L x bytes per element"
                 + (" x checkpointing factor" if run.checkpointing else "")
                 + (" + 2 x N bytes of bf16 weight copies" if run.precision in AMP_WEIGHT_COPY_BYTES else "")
-                + ", A = a*N + b elements per token from the refit (N: parameters active per token).")
+                + ", A = a*N + b elements per token from the refit (N: parameters active per token)."
+                + head_note)
         return self.with_reserved(Estimate(heuristic_peak(components), components, {
             "activations_per_token": elements, "activations_per_token_unit": "elements",
             "bytes_per_activation_element": ACTIVATION_BYTES[run.precision], "activation_multiplier": multiplier,
             "checkpointing_factor": factor if run.checkpointing else None,
             "coefficients": {"a": c["a"], "b": c["b"], "date": c["date"], "data_sha256": c["data"]["sha256"]},
-            "notes": [note]}))
+            "notes": [note, *closed_form_notes(run)]}))
+
+    @staticmethod
+    def with_fused_head(parts: dict, target: Target, run: Run, scale: float) -> str:
+        """SFTTrainer: the logits' share of the activations (`scale` x V elements per token) replaced by
+        the fused head's bytes (`pipeline.formulas.fused_head`), in place; the note that says so."""
+        if run.client != "sft":
+            return ""
+        if target.config is None:
+            return " SFTTrainer's fused LM head is not counted: without the model's shape the logits stay in A."
+        from pipeline.formulas.features import read_facts
+        from pipeline.formulas.fused_head import head_bytes
+
+        facts = read_facts(config_dict(target.config))
+        logits = scale * facts.vocab * run.batch * run.seq * ACTIVATION_BYTES[run.precision]
+        head = head_bytes(facts.vocab, facts.embed_width or facts.hidden, run.batch, run.seq, run.precision,
+                          run.completion_share, run.adapter is None)
+        parts["activations"] = max(parts["activations"] - logits, 0.0) + head["saved"] + head["backward"]
+        return " SFTTrainer: the logits' share of A (V per token) replaced by its fused LM head's bytes."
 
 
 class ExactEstimator(Estimator):
@@ -168,7 +192,9 @@ class ExactEstimator(Estimator):
         simulated = simulate(target.config, run)
         simulator = ("distributed_peak (DDP / FSDP2 with a fake process group of num_gpus ranks)"
                      if run.sharding else "trainer_peak (transformers.Trainer run on the meta device)"
-                     if run.client == "trainer" else "loop_peak")
+                     if run.client == "trainer" else "sft_peak (TRL's SFTTrainer run on the meta device)"
+                     if run.client == "sft" else "dpo_peak (TRL's DPOTrainer and its reference model run on the "
+                     "meta device)" if run.client == "dpo" else "loop_peak")
         return Estimate(simulated.peak_bytes, simulated.components, {
             "activations_per_token": None, "activations_per_token_unit": None,
             "peak_phase": simulated.details.get("peak_phase"),
@@ -192,12 +218,15 @@ class FormulaEstimator(FittedEstimator):
         section = self.coefficients["activation_formula"]
         config = config_dict(target.config)
         facts = read_facts(config)
-        precision = activation_precision(run.precision, run.adapter.quantization if run.adapter else None)
-        group = peak_group(precision, run.checkpointing)
-        if group not in section["peak"]:
-            raise UserError(f"method 'formula': the coefficient file has no peak fit for {group}")
-        result = closed_form_peak(section["peak"], facts, target.parameters, run.batch, run.seq, precision,
-                              run.optimizer_key, run.checkpointing, run.attn_implementation)
+        precision = activation_precision(run.precision, run.adapter.quantization if run.adapter else None,
+                                         upcast=run.client != "sft")
+        try:
+            result = closed_form_peak(section["peak"], facts, target.parameters, run.batch, run.seq, precision,
+                                      run.optimizer_key, run.checkpointing, run.attn_implementation, run.client,
+                                      run.completion_share, head_trainable=run.adapter is None)
+        except KeyError:
+            raise UserError(f"method 'formula': the coefficient file has no peak fit for "
+                            f"{peak_group(precision, run.checkpointing)}") from None
         if run.adapter is not None:
             spec = run.adapter
             result["components"]["activations"] += run.batch * run.seq * lora_saved_bytes_per_token(
@@ -213,12 +242,23 @@ class FormulaEstimator(FittedEstimator):
             "unread_terms": list(facts.unread),
             "notes": ["closed-form formula of coefficients.json 'activation_formula': peak = max(optimizer step, "
                       "start of the backward), exact terms from config facts, saved-for-backward bytes fitted per "
-                      "term on measured H200 peaks"]}))
+                      "term on measured H200 peaks"
+                      + ("; SFTTrainer's fused LM head in place of the logits (pipeline.formulas.fused_head)"
+                         if run.client == "sft" else ""), *result["notes"], *closed_form_notes(run)]}))
 
 
 ESTIMATORS = {estimator.name: estimator for estimator in (BlogEstimator, HeuristicEstimator, FormulaEstimator,
                                                            ExactEstimator)}
 assert tuple(ESTIMATORS) == METHODS
+
+
+def closed_form_notes(run: Run) -> list:
+    """What a closed form leaves out of a run: the blog's formula knows no client, and no closed form
+    models Liger's kernels (the exact method runs them)."""
+    notes = []
+    if run.liger_kernel:
+        notes.append("Liger's kernels are not modelled by the closed forms (method exact runs them)")
+    return notes
 
 
 def config_dict(config) -> dict:

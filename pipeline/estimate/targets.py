@@ -105,6 +105,30 @@ def parse_parameter_count(params, name: str = "params") -> int:
     return value
 
 
+def declared_weights_dtype(model=None, config=None) -> str | None:
+    """The weights' dtype (bf16 | fp32) that the model's config declares (`dtype`, or the older
+    `torch_dtype`: what from_pretrained loads by default), None when it names none or another one."""
+    from pipeline.core.vocabulary import WEIGHTS_DTYPE_OF_TORCH_NAME
+
+    facts = None
+    if model is not None:
+        from pipeline.core.paths import CONFIGS
+        from pipeline.inputs.configs import read_config_records
+
+        record = read_config_records(CONFIGS).get(model) if Path(CONFIGS).is_file() else None
+        facts = (record or {}).get("config")
+    elif isinstance(config, (str, Path)):
+        facts = read_config_file(config)
+    elif isinstance(config, dict):
+        facts = config
+    elif config is not None:
+        facts = {name: getattr(config, name, None) for name in ("dtype", "torch_dtype")}
+    if not isinstance(facts, dict):
+        return None
+    named = facts.get("dtype") or facts.get("torch_dtype")
+    return WEIGHTS_DTYPE_OF_TORCH_NAME.get(str(named)) if named is not None else None
+
+
 def resolve_target(model=None, config=None, params=None, method="heuristic", active_params=None) -> Target:
     if sum(x is not None for x in (model, config, params)) != 1:
         raise UserError("give exactly one of model, config and params")

@@ -1,6 +1,7 @@
 """A `transformers.TrainingArguments` JSON (as `TrainingArguments.to_json_string()` writes it) read
-as the settings of a Trainer run: `client = trainer`, its batch, accumulation, precision,
-checkpointing and optim. Read as JSON, without transformers: the formula stays torch-free."""
+as the settings of a Trainer run: `client = trainer`, its batch, accumulation, autocast (bf16 / fp16:
+with the weights' dtype it makes the precision, `pipeline.estimate.api.make_run`), checkpointing, optim
+and Liger's kernels. Read as JSON, without transformers: the formula stays torch-free."""
 
 from __future__ import annotations
 
@@ -22,20 +23,29 @@ UNMODELLED = {
 
 def read_training_args(source) -> dict:
     """The run settings a TrainingArguments JSON file (path) or dict gives: client, batch,
-    gradient_accumulation, precision (amp-bf16 for bf16, amp-fp16 for fp16, else None: the weights'
-    dtype decides), checkpointing, optim, and notes on what is not modelled."""
+    gradient_accumulation, autocast ("bf16" for bf16, "fp16" for fp16, else None: the weights' dtype
+    alone), checkpointing, optim, liger_kernel, and notes on what is not modelled."""
     args = _load(source)
-    flags = {key: _bool(args, key, source) for key in ("bf16", "fp16", "gradient_checkpointing")}
-    if flags["bf16"] and flags["fp16"]:
-        raise UserError(f"{_label(source)}: bf16 and fp16 are both true")
-    precision = "amp-bf16" if flags["bf16"] else "amp-fp16" if flags["fp16"] else None
-    settings = {"client": "trainer", "batch": _int(args, "per_device_train_batch_size", source),
-                "gradient_accumulation": _int(args, "gradient_accumulation_steps", source),
-                "precision": precision, "checkpointing": flags["gradient_checkpointing"],
-                "optim": _optim(args.get("optim"))}
+    label = source_label(source)
+    for key in ("bf16", "fp16", "gradient_checkpointing", "use_liger_kernel"):
+        check_flag(args, key, label)
+    if args.get("bf16") and args.get("fp16"):
+        raise UserError(f"{label}: bf16 and fp16 are both true")
+    settings = {"client": "trainer", "batch": positive_int_option(args, "per_device_train_batch_size", source),
+                "gradient_accumulation": positive_int_option(args, "gradient_accumulation_steps", source),
+                "autocast": "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else None,
+                "checkpointing": bool(args.get("gradient_checkpointing", False)),
+                "optim": optim_name(args.get("optim")), "liger_kernel": bool(args.get("use_liger_kernel", False))}
     settings["notes"] = [f"training args: {what} is not modelled" for key, what in UNMODELLED.items()
                          if args.get(key) not in (None, False, "", [], {})]
-    return {key: value for key, value in settings.items() if value is not None}
+    return {key: value for key, value in settings.items() if value is not None or key == "autocast"}
+
+
+def check_flag(args: dict, key: str, label: str) -> None:
+    """A boolean option must be a real boolean (or absent / null): "true" in quotes is a string."""
+    value = args.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise UserError(f"{label}: {key} must be true or false, not {short(value)}")
 
 
 def _load(source) -> dict:
@@ -45,30 +55,20 @@ def _load(source) -> dict:
                             "not a TrainingArguments JSON (an object is expected)")
 
 
-def _label(source) -> str:
+def source_label(source) -> str:
     return "training args" if isinstance(source, dict) else short(str(source), 200, quote=False)
 
 
-def _int(args: dict, key: str, source) -> int | None:
+def positive_int_option(args: dict, key: str, source) -> int | None:
     value = args.get(key)
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise UserError(f"{_label(source)}: {key} must be a positive integer, not {short(value)}")
+        raise UserError(f"{source_label(source)}: {key} must be a positive integer, not {short(value)}")
     return value
 
 
-def _bool(args: dict, key: str, source) -> bool:
-    """A flag of the file: a JSON boolean (absent or null: false); "false" or 1 are refused, not guessed."""
-    value = args.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise UserError(f"{_label(source)}: {key} must be true or false (a JSON boolean), not {short(value)}")
-    return value
-
-
-def _optim(value):
+def optim_name(value):
     """TrainingArguments writes the OptimizerNames enum as its value string."""
     if value is None:
         return None

@@ -5,34 +5,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from pipeline.formulas.gpus import DEVICES, Device, custom_device, device, outside_bytes
+from pipeline.formulas.gpus import DEVICES, Device, Verdict, custom_device, device, outside_bytes
 from pipeline.core.errors import UserError
 from pipeline.core.text import short
 from pipeline.training.values import GIB, Estimate, Run
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Whether a step fits a device: its reserved bytes plus the memory outside PyTorch."""
-
-    device: Device
-    reserved_bytes: float
-    outside_bytes: int
-    expandable_reserved_bytes: float
-
-    @property
-    def fits(self) -> bool:
-        return self.reserved_bytes + self.outside_bytes <= self.device.total_bytes
-
-    @property
-    def headroom_bytes(self) -> float:
-        return self.device.total_bytes - self.reserved_bytes - self.outside_bytes
-
-    @property
-    def expandable_fits(self) -> bool:
-        return self.expandable_reserved_bytes + self.outside_bytes <= self.device.total_bytes
 
 
 def judge(estimated: Estimate, run: Run, dev: Device) -> Verdict:

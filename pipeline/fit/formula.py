@@ -11,6 +11,10 @@ LinearRegression(positive=True)), least squares of the relative error (weights 1
 
 Each fit reports in-sample and leave-one-family-out R^2, MAPE, worst, and bootstrap intervals.
 `comparison` puts the formula beside A = a N + b, the blog's line and Korthikanti et al.
+
+`HELD_OUT_MODELS` never enter these fits: models of the 2025-26 architectures kept apart, whose
+counted hook elements and saved bytes the fitted formula is judged on afterwards (`held_out`), as the
+GPU plan `config/sweep_new_arch_heldout.yaml` keeps their peaks apart.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from pipeline.formulas.components import BLOG_A_BYTES_PER_ELEMENT, blog_a_bytes
 from pipeline.core.vocabulary import ACTIVATION_BYTES, PRECISION_OF_DTYPE
 
 TERMS = list(FEATURES)
+# Kept out of every formula fit and judged apart (one per family: gated delta-net, short convolutions,
+# Mamba-2 with a shared MLP, a parallel Mamba-2 hybrid, per-layer inputs with two attention widths, relu-squared).
+HELD_OUT_MODELS = ("Qwen/Qwen3.5-2B", "LiquidAI/LFM2-1.2B", "ibm-granite/granite-4.0-h-1b", "tiiuae/Falcon-H1-3B-Instruct",
+                   "google/gemma-4-E2B-it", "karpathy/nanochat-d32")
 FORMULA_RESAMPLES = 200  # bootstrap draws of each formula fit (each a non-negative least squares)
 N_TERM = "weights"  # the coefficient of N: bytes per parameter kept beside the activations
 
@@ -31,6 +39,12 @@ N_TERM = "weights"  # the coefficient of N: bytes per parameter kept beside the 
 def model_features(records: dict) -> dict:
     """{model id: Facts} from configs.json records (status ok)."""
     return {model_id: read_facts(r["config"]) for model_id, r in records.items() if r.get("status") == "ok"}
+
+
+def split_held_out(facts: dict) -> tuple[dict, dict]:
+    """(the models the formula is fitted on, the held-out ones), as {model id: Facts}."""
+    return ({m: f for m, f in facts.items() if m not in HELD_OUT_MODELS},
+            {m: f for m, f in facts.items() if m in HELD_OUT_MODELS})
 
 
 def design(facts, seq_len: int, terms) -> list:
@@ -145,6 +159,50 @@ def comparison_markdown(rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def saved_coefficients(saved: dict) -> dict:
+    """{precision: {term: bytes per element}} of the counted saved bytes' fits (the peak fit's fallback for
+    terms no measured model has)."""
+    return {precision: fit["coefficients"] for precision, fit in saved.items()}
+
+
+def held_out_check(models, activations, records, held: dict, hook_fit, saved_fits, line) -> dict:
+    """The fitted formula on the held-out models (`HELD_OUT_MODELS`): its hook elements at (1, 1) and its saved
+    bytes per token at every counted point and precision, against the counts; metrics as every fit reports
+    them, and the hook predictions for the figures (flagged held_out)."""
+    import numpy as np
+
+    section = {"models": sorted(held), "hook_predictions": []}
+    if not held:
+        return section
+    hooks = hook_table(models, activations, held)
+    if hooks.empty:
+        return section
+    x = hook_design(records, held)
+    predicted = [sum(c * v for c, v in zip(hook_fit["coefficients"].values(), x[m])) for m in hooks["model_id"]]
+    section["hook_elements"] = metrics(hooks["elements_per_token"], predicted, hooks["model_id"])
+    a, b = line["coefficients"]["a"], line["coefficients"]["b"]
+    active = hooks["active_parameters"].fillna(hooks["parameters"])
+    section["hook_predictions"] = [{"model_id": m, "family": f, "counted": float(y), "formula": float(p),
+                                    "formula_lofo": float(p), "line": float(a * n + b), "line_lofo": float(a * n + b),
+                                    "blog": float(blog_a_bytes(k) / BLOG_A_BYTES_PER_ELEMENT), "held_out": True}
+                                   for m, f, y, p, n, k in zip(hooks["model_id"], hooks["family"],
+                                                               hooks["elements_per_token"], predicted, active,
+                                                               hooks["parameters"])]
+    section["saved_bytes"] = {}
+    for precision, fit in saved_fits.items():
+        rows = saved_table(models, activations, held, precision)
+        if not len(rows):
+            continue
+        coefficients = fit["coefficients"]
+        predicted = [sum(coefficients[t] * v for t, v in zip(TERMS, design(held[r.model_id], int(r.seq_len), TERMS)))
+                     + coefficients[N_TERM] * r.parameters / (r.batch_size * r.seq_len) for r in rows.itertuples()]
+        result = metrics(rows["bytes_per_token"], predicted, rows["model_id"])
+        relative = np.abs(np.asarray(predicted) / rows["bytes_per_token"].to_numpy(float) - 1)
+        result["p90_ape"] = float(np.percentile(relative, 90))
+        section["saved_bytes"][precision] = result
+    return section
+
+
 def parameter_check(models, facts) -> dict:
     """Closed-form N against the counted N of every model."""
     import numpy as np
@@ -163,7 +221,8 @@ def fit_formula(models, activations, peaks, records: dict, resamples: int = FORM
     from pipeline.inputs.aliases import FIELDS
     from pipeline.core.vocabulary import PRECISIONS
 
-    facts = model_features(records)
+    every = model_features(records)
+    facts, held = split_held_out(every)
     run = {"resamples": resamples, "seed": seed}
     hooks = hook_table(models, activations, facts)
     hook = fit_hook_formula(hooks, hook_design(records, facts), **run)
@@ -171,6 +230,7 @@ def fit_formula(models, activations, peaks, records: dict, resamples: int = FORM
     saved = {p: fit_saved_formula(rows, facts, p, **run) for p, rows in saved_rows.items() if len(rows)}
     line = line_in_formula_cv(hooks, **run)
     table = comparison(hooks, hook, line, saved, saved_rows, facts)
+    held_out = held_out_check(models, activations, records, held, hook, saved, line)
     section = {
         "features": dict(FEATURES),
         "hook_features": dict(HOOK_FEATURES),
@@ -180,10 +240,12 @@ def fit_formula(models, activations, peaks, records: dict, resamples: int = FORM
         "saved_bytes": {p: public(f) for p, f in saved.items()},
         "peak_formula": PEAK_FORMULA,
         "attention_kernels": dict(KERNELS),
-        "peak": fit_peak(peak_table(peaks, facts), facts, **run) if peaks is not None else {},
-        "parameters_closed_form": parameter_check(models, facts),
+        "peak": fit_peak(peak_table(peaks, facts), facts, counted=saved_coefficients(saved), **run)
+        if peaks is not None else {},
+        "parameters_closed_form": parameter_check(models, every),
+        "held_out": held_out,
         "korthikanti": "per layer 34*s*b*h + 5*a*s^2*b bytes (16-bit; Korthikanti et al. 2022)",
         "comparison": table,
-        "hook_predictions": hook_predictions(hooks, hook, line),
+        "hook_predictions": hook_predictions(hooks, hook, line) + held_out.pop("hook_predictions"),
     }
     return section, comparison_markdown(table)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pipeline.core.vocabulary import WEIGHT_BYTES
 from pipeline.fit.regression import fit_terms, public
-from pipeline.formulas.peak import TERMS, amp_copies, branches, known_attention, peak_group, saved_design
+from pipeline.formulas.peak import SAME_TENSORS_AS, TERMS, amp_copies, branches, known_attention, peak_group, saved_design
 
 START_DOMINATES = 2.0  # fit points: saved part of the backward peak above this many gradients
 
@@ -34,8 +34,14 @@ def peak_table(peaks, facts):
     return rows.reset_index(drop=True)
 
 
-def fit_peak(rows, facts, **run) -> dict:
-    """Per group: the saved bytes per token on points where the start of the backward is the backward peak."""
+def fit_peak(rows, facts, counted: dict | None = None, **run) -> dict:
+    """Per group: the saved bytes per token on points where the start of the backward is the backward peak.
+
+    A term that no measured point has (a layer no measured model has, such as a linear attention before its
+    GPU sweep) takes the coefficient of the counted saved bytes of the group's precision (`counted`:
+    {precision: {term: bytes per element}}); `counted_terms` names them."""
+    import numpy as np
+
     fits = {}
     for group, part in rows.groupby("group"):
         part = part[part["saved_bytes"] > START_DOMINATES * part["weight_bytes"]]
@@ -48,6 +54,14 @@ def fit_peak(rows, facts, **run) -> dict:
         y = part["saved_bytes"].to_numpy(float) - amp
         offset = part["known_bytes"].to_numpy(float)
         fit = fit_terms(x, y, part["family"], part["model_id"], TERMS, offset=offset, **run)
+        everywhere = rows[rows["group"] == group]
+        measured = np.array([saved_design(facts[r.model_id], int(r.seq_len), r.precision, bool(r.gradient_checkpointing))
+                             for r in everywhere.itertuples()], float)
+        unseen = [t for t, column in zip(TERMS, measured.T) if not column.any()]
+        precision = part["precision"].iloc[0]
+        fallback = (counted or {}).get(SAME_TENSORS_AS.get(precision, precision), {})
+        fit["counted_terms"] = [t for t in unseen if t in fallback]
+        fit["coefficients"].update({t: fallback[t] for t in fit["counted_terms"]})
         fit["metrics_of"] = ("the backward peak of the points where its start dominates (saved part above "
                              f"{START_DOMINATES} x the gradients), fitted by least squares of its relative error")
         fit["units"] = {"y": "bytes saved for backward (amp copies apart), read off the measured backward peak",

@@ -13,6 +13,9 @@ bitsandbytes themselves (pipeline.simulate.adapters); these are the formulas' ap
   stream is then fp32 (fp32 embeddings and norm weights), and bitsandbytes casts each 4-bit
   matmul's output back to its input's dtype: the activations are fp32 training's
   (`activation_precision`), the logits too.
+- SFTTrainer (client sft) never calls `prepare_model_for_kbit_training`: on a 4-bit base the other
+  weights stay in the loaded dtype, the activations are the precision's, and it casts the adapters to
+  bf16 (`upcast` False).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pipeline.formulas.components import optimizer_bytes
 from pipeline.core.vocabulary import WEIGHT_BYTES
 
 QUANTIZED_BYTES = {"nf4": 0.5 + 4 / 64, "int8": 1.0}
+# Bytes per element of the copy of a targeted linear's input that LoRA's lora_A saves, by the base's precision.
+INPUT_COPY_BYTES = {"bf16": 4, "bf16-autocast": 2}
 
 
 def linear_shapes(facts: Facts) -> dict:
@@ -47,12 +52,12 @@ def adapter_parameters(facts: Facts, r: int, targets: str) -> int:
     return facts.layers * sum(r * (shapes[name][0] + shapes[name][1]) for name in names)
 
 
-def base_bytes(facts: Facts, parameters: int, precision: str, quantization: str | None) -> float:
-    """Bytes of the frozen base's weights."""
+def base_bytes(facts: Facts, parameters: int, precision: str, quantization: str | None, upcast: bool = True) -> float:
+    """Bytes of the frozen base's weights (`upcast`: prepare_model_for_kbit_training made the rest fp32)."""
     if quantization is None:
         return parameters * WEIGHT_BYTES[precision]
     linears = matmul_parameters(facts) - facts.vocab * (facts.embed_width or facts.hidden)
-    return linears * QUANTIZED_BYTES[quantization] + (parameters - linears) * 4
+    return linears * QUANTIZED_BYTES[quantization] + (parameters - linears) * (4 if upcast else WEIGHT_BYTES[precision])
 
 
 def lora_saved_bytes_per_token(facts: Facts, targets: str, precision: str, quantization: str | None,
@@ -64,28 +69,34 @@ def lora_saved_bytes_per_token(facts: Facts, targets: str, precision: str, quant
     their inputs for their weights' gradients: the norm outputs feeding q/k/v and gate/up, and the
     MLP product feeding down (the attention output feeding o stays saved by attention itself).
     Llama-3.2-1B, r=16 on all linears, B=4, L=2048: +7.52 GB by this, +6.37 GB simulated. With
-    checkpointing one layer's tensors live at a time (its recomputation in the backward)."""
-    if quantization or precision != "bf16":
+    checkpointing one layer's tensors live at a time (its recomputation in the backward). Under bf16
+    autocast on a bf16 base (bf16-autocast) the fp32 input is cast back to bf16 for lora_A's matmul, and
+    that bf16 copy is what is saved: 2 bytes x the input width."""
+    if quantization or precision not in INPUT_COPY_BYTES:
         return 0.0
     shapes = linear_shapes(facts)
     names = list(shapes) if targets == "all-linear" else [n for n in targets.split(",") if n in shapes]
-    added = 4 * sum(shapes[name][0] for name in names)
+    added = INPUT_COPY_BYTES[precision] * sum(shapes[name][0] for name in names)
     released = 2 * (2 * facts.hidden + facts.intermediate)
     return (1 if checkpointing else facts.layers) * (added - released)
 
 
-def activation_precision(precision: str, quantization: str | None) -> str:
-    """The precision whose activations a run keeps: fp32 on a quantized base (see the module docstring)."""
-    return "fp32" if quantization else precision
+def activation_precision(precision: str, quantization: str | None, upcast: bool = True) -> str:
+    """The precision whose activations a run keeps: fp32 on a quantized base that prepare_model_for_kbit_training
+    upcast (`upcast`; see the module docstring)."""
+    return "fp32" if quantization and upcast else precision
 
 
 def adapter_components(components: dict, facts: Facts, parameters: int, precision: str, optimizer_key: str,
-                       r: int, targets: str, quantization: str | None) -> dict:
-    """A closed form's components with the base frozen (and quantized) and the adapters trained."""
+                       r: int, targets: str, quantization: str | None, upcast: bool = True) -> dict:
+    """A closed form's components with the base frozen (and quantized) and the adapters trained (`upcast`
+    False: SFTTrainer's 4-bit base, not upcast, bf16 adapters)."""
     trainable = adapter_parameters(facts, r, targets)
-    weight = WEIGHT_BYTES[activation_precision(precision, quantization)]
+    weight = WEIGHT_BYTES[activation_precision(precision, quantization, upcast)]
+    if quantization and not upcast:
+        weight = 2  # SFTTrainer casts the adapters of a quantized base to bf16
     state, temporaries = optimizer_bytes(optimizer_key, trainable, weight)
     parts = dict(components)
-    parts.update(parameters=base_bytes(facts, parameters, precision, quantization) + trainable * weight,
+    parts.update(parameters=base_bytes(facts, parameters, precision, quantization, upcast) + trainable * weight,
                  gradients=trainable * weight, optimizer_state=state, optimizer_intermediates=temporaries)
     return parts

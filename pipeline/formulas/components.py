@@ -18,14 +18,15 @@ No torch, no numpy: a formula is usable without the measuring code.
 from __future__ import annotations
 
 # Bytes per parameter (weights, gradients, optimizer state) and per activation element of a precision.
-from pipeline.core.vocabulary import ACTIVATION_BYTES, WEIGHT_BYTES
+from pipeline.core.vocabulary import ACTIVATION_BYTES, PRECISION_MODES, WEIGHT_BYTES
 
 # The blog's published fit: A in fp32 BYTES per token (4 bytes x hook elements).
 BLOG_SLOPE = 4.6894e-4
 BLOG_INTERCEPT = 1.8494e6
 BLOG_A_BYTES_PER_ELEMENT = 4
-# The blog has one P per run; for amp-bf16 we take the fp32 bytes of its weights, grads and state.
-BLOG_P = {"fp32": 4, "bf16": 2, "amp-bf16": 4, "amp-fp16": 4}
+# The blog has one P per run; for the amp modes we take the fp32 bytes of their weights, grads and state:
+# the weights' bytes of every precision.
+BLOG_P = dict(WEIGHT_BYTES)
 # The blog's calculator divides activations by this under gradient checkpointing (project brief;
 # the calculator's code is not part of the published text).
 BLOG_CHECKPOINTING_DIVISOR = 5
@@ -76,7 +77,12 @@ def optimizer_bytes(key: str, parameters, weight_bytes) -> tuple[float, float]:
 
 # Under autocast every fp32 weight is cast to a bf16 copy that autograd keeps until backward: it
 # lives beside the activations (the saved-for-backward counts of amp-bf16 show it as ~2N bytes).
-AMP_WEIGHT_COPY_BYTES = {"amp-bf16": 2, "amp-fp16": 2}
+# bf16 weights under autocast (bf16-autocast) are not copied.
+AMP_WEIGHT_COPY_BYTES = {name: 2 for name, mode in PRECISION_MODES.items() if mode.weight_copies}
+# A precision whose constants are not measured (yet) takes those of one with the same tensor sizes:
+# amp-fp16 keeps amp-bf16's tensors; bf16-autocast bf16's (the same weights, grads, state and activation
+# sizes; autocast's fp32 ops on bf16 inputs add a little, `features.autocast_fp32_bytes`).
+MEASURED_LIKE = {"amp-fp16": "amp-bf16", "bf16-autocast": "bf16"}
 
 PEAK_FORMULAS = {
     "blog": "parameters + optimizer_state + max(gradients + optimizer_intermediates, activations)",

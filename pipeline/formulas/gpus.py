@@ -84,6 +84,28 @@ def custom_device(total_gib: float) -> Device:
     return Device(f"{total_gib:g} GiB", round(total_gib * 1024), None, "given")
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a step fits a device: its reserved bytes plus the memory outside PyTorch."""
+
+    device: Device
+    reserved_bytes: float
+    outside_bytes: int
+    expandable_reserved_bytes: float
+
+    @property
+    def fits(self) -> bool:
+        return self.reserved_bytes + self.outside_bytes <= self.device.total_bytes
+
+    @property
+    def headroom_bytes(self) -> float:
+        return self.device.total_bytes - self.reserved_bytes - self.outside_bytes
+
+    @property
+    def expandable_fits(self) -> bool:
+        return self.expandable_reserved_bytes + self.outside_bytes <= self.device.total_bytes
+
+
 def context_bytes(precision: str, attn_implementation: str | None = None) -> int:
     """Memory of the process outside the allocator's segments (CUDA context, kernels, libraries):
     the most measured on the H200 for this regime (other cards: the same figure, not measured)."""

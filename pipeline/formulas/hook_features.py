@@ -14,12 +14,19 @@ meta forward (`python -m pipeline count`; hooks grouped by module class):
 - query/key norms (Qwen 3, OLMo 2, OLMoE, Gemma 3, GLM-4.5, Llama 4, StableLM 2 12B, Persimmon,
   Command R+): one more output as wide as the queries and one as wide as the keys per layer.
 
+- token mixers beside attention (`pipeline.formulas.mixers`): their causal convolution is padded by
+  kernel - 1, so at one token the convolution module outputs `kernel` positions; their states, keys
+  per head and within-chunk products are not module outputs (no term).
+- MLP activations: relu-squared and xIELU are one module each, whose output is as wide as any other
+  activation's (no term of their own: the saved bytes have one).
+
 Everything else is `feature_values` at L = 1 (one token: no term in L).
 """
 
 from __future__ import annotations
 
 from pipeline.formulas.features import EVERY_EXPERT, FEATURES, feature_values
+from pipeline.formulas.mixers import whole
 
 # Per expert that runs on a token, outputs the hooks see: (moe_intermediate_size wide, hidden_size wide).
 # Default: the fused experts module of transformers (its activation module only).
@@ -30,11 +37,16 @@ EXPERT_OUTPUTS = {
     "llama4_text": (1, 1),  # every expert runs; the experts module returns each one's output
 }
 DEFAULT_EXPERT_OUTPUTS = (1, 0)
-QK_NORM_TYPES = {"qwen3", "qwen3_moe", "olmo2", "olmoe", "gemma3_text"}
+QK_NORM_TYPES = {"qwen3", "qwen3_moe", "olmo2", "olmoe", "gemma3_text", "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text",
+                 "qwen3_next", "exaone4", "olmo3", "hunyuan_v1_dense", "apertus", "nanochat", "lfm2"}
+# The saved-bytes terms that are no module's output: L x L scores and masks, experts as the saved bytes see
+# them, the chunked scans' states, keys and within-chunk products, the activations' inner elementwise ops.
+NOT_MODULE_OUTPUTS = ("experts", "scores", "mask", "mixer_keys", "mixer_state", "mixer_chunk", "mlp_squared",
+                      "mlp_xielu")
 QK_NORM_FIELDS = ("use_qk_norm", "qk_layernorm")
 
 HOOK_FEATURES = {
-    **{k: v for k, v in FEATURES.items() if k not in ("experts", "scores", "mask")},
+    **{k: v for k, v in FEATURES.items() if k not in NOT_MODULE_OUTPUTS},
     "expert_activations": "MoE layers x experts run per token (num_experts_per_tok; num_experts for Llama 4) x "
                           "moe_intermediate_size x the intermediate-wide module outputs per expert "
                           "(`EXPERT_OUTPUTS`: 1 for the fused experts' activation module, 0 for gpt-oss, 3 for "
@@ -44,6 +56,8 @@ HOOK_FEATURES = {
     "qk_norm": "attention layers x (num_attention_heads + num_key_value_heads) x head_dim where queries and keys "
                "are normalised (model type in QK_NORM_TYPES or use_qk_norm / qk_layernorm true; Llama 4: its "
                "layers with rotary embeddings)",
+    "mixer_conv": "mixer layers x the channels of its causal depthwise convolution x its kernel (the convolution's "
+                  "output at one token: kernel positions)",
 }
 HOOK_TERMS = list(HOOK_FEATURES)
 HOOK_ONLY_TERMS = [t for t in HOOK_TERMS if t not in FEATURES]  # the hook count's own terms
@@ -60,7 +74,7 @@ def normed_layers(facts, config: dict) -> int:
     (every layer but each `no_rope_layer_interval`-th, 4 by default)."""
     if facts.model_type != "llama4_text":
         return facts.attention_layers
-    return facts.attention_layers - facts.attention_layers // int(config.get("no_rope_layer_interval") or 4)
+    return facts.attention_layers - facts.attention_layers // (max(whole(config.get("no_rope_layer_interval"), 4), 1))
 
 
 def hook_feature_values(facts, config: dict) -> dict:
@@ -73,7 +87,9 @@ def hook_feature_values(facts, config: dict) -> dict:
     per_layer = facts.moe_layers * run
     values["expert_activations"] = per_layer * facts.moe_intermediate * wide
     values["expert_outputs"] = per_layer * facts.hidden * hidden
-    query = facts.q_dim
-    key = facts.kv_dim // 2
-    values["qk_norm"] = normed_layers(facts, config) * (query + key) if has_qk_norm(facts.model_type, config) else 0
+    if facts.mixer:
+        values["mixer_conv"] *= facts.mixer.kernel
+    query, key_value, _, _ = facts.attention_totals()
+    share = normed_layers(facts, config) / facts.attention_layers if facts.attention_layers else 0
+    values["qk_norm"] = round(share * (query + key_value // 2)) if has_qk_norm(facts.model_type, config) else 0
     return {t: values[t] for t in HOOK_TERMS}

@@ -13,6 +13,15 @@ weight bytes of the precision, S the optimizer state, T = B x L tokens, V the vo
   (the `hidden` term) and one layer is recomputed at a time: the per-layer terms count once, not
   per layer (and so do the amp copies of one layer's weights).
 
+bf16-autocast (bf16 weights under bf16 autocast) has a group of its own. Until measured points fit it,
+it takes bf16's fit (`STANDS_IN`: the same weights, gradients, state and activation sizes, no weight
+copies) plus what autocast's fp32 ops keep on bf16 inputs (`features.autocast_fp32_bytes`: LayerNorm
+inputs, gelu_new's chain, partial rotary), derived from the op lists, not fitted; the answer says so.
+
+SFTTrainer (`client = sft`) never builds the logits: its backward branch takes the decoder's saved
+bytes without the `vocabulary` term (the logits the loss keeps), plus the fused head's saved bytes,
+and the head's backward (`pipeline.formulas.fused_head`) in place of 8 x T x V.
+
 peak = max(optimizer branch, backward branch). The later backward (gradients growing as
 activations are freed) never exceeds the optimizer branch: gradients + what is left < gradients +
 temporaries + ... (checked on the simulator's phase peaks). The fit uses the measured backward
@@ -22,10 +31,11 @@ read off exactly (`pipeline.fit.peak`); coefficients are non-negative, in bytes 
 
 from __future__ import annotations
 
-from pipeline.formulas.features import (FEATURES, LOSS_BACKWARD_BYTES, PER_LAYER, WORKSPACE_BYTES, attention_kernel,
-                               feature_values, matmul_parameters)
+from pipeline.core.vocabulary import WEIGHT_BYTES, precision_mode
 from pipeline.formulas.components import optimizer_bytes
-from pipeline.core.vocabulary import WEIGHT_BYTES
+from pipeline.formulas.features import (FEATURES, LOSS_BACKWARD_BYTES, PER_LAYER, WORKSPACE_BYTES, attention_kernel,
+                                        autocast_fp32_bytes, feature_values, matmul_parameters)
+from pipeline.formulas.fused_head import head_bytes
 
 TERMS = list(FEATURES)
 AMP_COPY_BYTES = 2  # bytes per matmul weight: the bf16 copy autocast makes and autograd keeps
@@ -38,6 +48,8 @@ PEAK_FORMULA = ("peak = max(W + G + S + I + workspaces, W + S + workspaces + 8 x
 # amp-fp16 keeps the tensors amp-bf16 keeps, of the same sizes (2-byte autocast copies and
 # activations; the same kernel choice on sm90); its gradient scaler adds a few 512-byte blocks.
 SAME_TENSORS_AS = {"amp-fp16": "amp-bf16"}
+# A precision without a fit of its own (yet) takes the fit of one with the same sizes, plus known terms.
+STANDS_IN = {"bf16-autocast": "bf16"}
 
 
 def peak_group(precision: str, checkpointing: bool) -> str:
@@ -51,14 +63,17 @@ def fixed_bytes(parameters, precision: str, optimizer: str) -> tuple[float, floa
     return weight * 2 + state, temporaries
 
 
-def amp_copies(facts, precision: str, checkpointing: bool) -> float:
-    """Bytes of the bf16 weight copies kept for backward (amp-bf16 only; checkpointing: head + one layer)."""
-    if precision != "amp-bf16":
+def amp_copies(facts, precision: str, checkpointing: bool, head: bool = True) -> float:
+    """Bytes of the 16-bit weight copies kept for backward (fp32 weights under autocast only; checkpointing:
+    head + one layer; `head` False: the head's copy is not kept, as in SFTTrainer's fused head)."""
+    if not precision_mode(precision).weight_copies:
         return 0.0
     matmul = matmul_parameters(facts)
+    head_parameters = facts.vocab * (facts.embed_width or facts.hidden)
     if checkpointing:
-        head = facts.vocab * (facts.embed_width or facts.hidden)
-        matmul = head + (matmul - head) / max(facts.layers, 1)
+        matmul = head_parameters + (matmul - head_parameters) / max(facts.layers, 1)
+    if not head:
+        matmul -= head_parameters
     return float(AMP_COPY_BYTES * matmul)
 
 
@@ -83,8 +98,10 @@ def branches(facts, parameters, batch: int, seq: int, precision: str, optimizer:
 
 
 def peak_of(parts: dict) -> tuple[float, str]:
+    """max(optimizer branch, backward branch); with `recompute` (a checkpointed layer in its backward, the
+    sft formula's), the optimizer branch's temporaries are at least that layer."""
     fixed = parts["parameters"] + parts["optimizer_state"] + parts["workspaces"]
-    optimizer = fixed + parts["gradients"] + parts["optimizer_intermediates"]
+    optimizer = fixed + parts["gradients"] + max(parts["optimizer_intermediates"], parts.get("recompute", 0.0))
     backward = fixed + parts["activations"] + parts["loss_backward"]
     return (backward, "backward") if backward > optimizer else (optimizer, "optimizer")
 
@@ -94,13 +111,65 @@ def known_attention(value):
     return value if value in ("eager", "sdpa") else None
 
 
+def mlp_backward_bytes(facts, precision: str) -> float:
+    """Bytes per token of an MLP's backward in flight: the gradient of down's input and those of the gate's
+    and up's outputs (a gated MLP; two without a gate), in the activations' dtype."""
+    from pipeline.core.vocabulary import ACTIVATION_BYTES
+
+    return (3 if facts.gated else 2) * facts.intermediate * ACTIVATION_BYTES[precision]
+
+
+def one_layer_bytes(peak_fits: dict, facts, seq: int, precision: str, attention=None) -> float:
+    """Bytes per token of one decoder layer's saved tensors, by the fit without checkpointing (its per-layer
+    terms over the layers): what a checkpointed layer holds while it is recomputed."""
+    group = peak_fits.get(peak_group(precision, False))
+    if group is None:
+        return 0.0
+    values = feature_values(facts, seq, attention_kernel(facts, precision, known_attention(attention)))
+    coefficients = group["coefficients"]
+    return sum(coefficients.get(k, 0.0) * values[k] for k in PER_LAYER) / max(facts.layers, 1)
+
+
+def fitted_group(peak_fits: dict, precision: str, checkpointing: bool) -> tuple[str, str | None]:
+    """(the group whose fit the formula uses, a note when it stands in for the precision's own); KeyError
+    when neither was fitted."""
+    own = peak_group(precision, checkpointing)
+    if own in peak_fits or precision not in STANDS_IN:
+        peak_fits[own]  # noqa: B018 - KeyError when not fitted
+        return own, None
+    stand_in = peak_group(STANDS_IN[precision], checkpointing)
+    peak_fits[stand_in]  # noqa: B018
+    return stand_in, (f"{precision} has no fit of its own yet: {stand_in}'s fit plus the fp32 copies autocast "
+                      "keeps on bf16 inputs (LayerNorm inputs, gelu_new, partial rotary; from the op lists)")
+
+
 def closed_form_peak(peak_fits: dict, facts, parameters, batch: int, seq: int, precision: str, optimizer: str,
-                 checkpointing: bool, attention=None) -> dict:
-    """The formula's peak, its phase and components (bytes); KeyError when the group was not fitted."""
+                     checkpointing: bool, attention=None, client: str = "loop", completion_share: float = 1.0,
+                     head_trainable: bool = True) -> dict:
+    """The formula's peak, its phase and components (bytes), and `notes`; KeyError when the group was not
+    fitted. `client` sft: SFTTrainer's fused head in place of the logits (`completion_share` of the
+    positions labelled; `head_trainable` False under LoRA)."""
     precision = SAME_TENSORS_AS.get(precision, precision)
-    coefficients = peak_fits[peak_group(precision, checkpointing)]["coefficients"]
-    x = saved_design(facts, seq, precision, checkpointing, known_attention(attention))
-    saved = sum(coefficients.get(t, 0.0) * v for t, v in zip(TERMS, x))
+    group, note = fitted_group(peak_fits, precision, checkpointing)
+    coefficients = peak_fits[group]["coefficients"]
+    fitted = group.split("+")[0]
+    x = saved_design(facts, seq, fitted, checkpointing, known_attention(attention))
+    sft = client == "sft"
+    saved = sum(coefficients.get(t, 0.0) * v for t, v in zip(TERMS, x) if not (sft and t == "vocabulary"))
+    if note is not None:
+        saved += autocast_fp32_bytes(facts, checkpointing)
     parts = branches(facts, parameters, batch, seq, precision, optimizer, checkpointing, saved)
+    if sft:
+        head = head_bytes(facts.vocab, facts.embed_width or facts.hidden, batch, seq, precision, completion_share,
+                          head_trainable)
+        parts["activations"] += head["saved"] - amp_copies(facts, precision, checkpointing) \
+            + amp_copies(facts, precision, checkpointing, head=False)
+        parts["loss_backward"] = head["backward"]
+        if checkpointing:  # later in the backward: a layer recomputed and back-propagated, beside the gradients
+            layer = batch * seq * one_layer_bytes(peak_fits, facts, seq, group.split("+")[0], attention)
+            layer += batch * seq * mlp_backward_bytes(facts, precision)
+            gradient = facts.vocab * (facts.embed_width or facts.hidden) * WEIGHT_BYTES[precision] if head_trainable else 0
+            parts["loss_backward"] = max(head["backward"], layer + gradient - head["saved"])
+            parts["recompute"] = layer
     peak, phase = peak_of(parts)
-    return {"peak_bytes": peak, "components": parts, "peak_phase": phase}
+    return {"peak_bytes": peak, "components": parts, "peak_phase": phase, "notes": [note] if note else []}

@@ -17,7 +17,7 @@ FIELDS = {
                 "n_experts"),
     # `top_k` last: older configs also carry a generation `top_k`
     "top_k": ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "num_selected_experts", "moe_k",
-              "experts_per_token", "top_k"),
+              "experts_per_token", "top_k_experts", "top_k"),
     "moe_intermediate": ("moe_intermediate_size", "expert_intermediate_size"),
     # rows of a learned position embedding
     "positions": ("n_positions", "max_position_embeddings", "max_seq_len"),
@@ -26,6 +26,9 @@ FIELDS = {
 }
 # Model types whose `num_heads` are state-space heads, not attention heads.
 STATE_SPACE_HEADS = {"mamba2"}
+# Hybrids whose experts exist only in the layers their pattern names: (the transformers config's list of
+# layer kinds, the kind of an expert layer); a dense member keeps its config class's default expert count.
+EXPERT_LAYER_PATTERNS = {"nemotron_h": ("layers_block_type", "moe")}
 
 
 def names_of(fact: str, model_type: str | None) -> tuple:

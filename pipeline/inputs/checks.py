@@ -3,7 +3,8 @@ registry, `--config` files, configs.json records, the Python API's dicts; every 
 
 - `model_type`: a short text;
 - each shape fact (under any alias of `inputs.aliases`, in the config or a nested text_config):
-  an integer (not a string, float, bool or NaN) within the limits below;
+  an integer (not a string, float, bool or NaN) within the limits below; so is each size of the
+  token mixers beside attention (`MIXER_LIMITS`: linear attention, short convolutions, Mamba-2);
 - the relations a forward needs: attention heads a multiple of key/value heads, the hidden size a
   multiple of the heads where no head_dim is given, experts per token at most the experts.
 
@@ -25,6 +26,18 @@ MAX_MODEL_TYPE = 64  # characters
 LIMITS = {"layers": 1024, "hidden": 131_072, "heads": 4096, "kv_heads": 4096, "head_dim": 8192,
           "intermediate": 1_048_576, "vocab": 4_194_304, "experts": 4096, "top_k": 4096,
           "moe_intermediate": 1_048_576, "positions": 1 << 24, "context": 1 << 24}
+# Sizes of the token mixers of hybrid models and of per-layer extras, by their config.json names (each checked
+# where given): heads and widths like the attention's, kernels and chunks small, states like a head.
+MIXER_LIMITS = {**{name: 4096 for name in ("linear_num_key_heads", "linear_num_value_heads", "mamba_num_heads",
+                                            "mamba_n_heads", "n_groups", "mamba_n_groups", "index_n_heads")},
+                **{name: 8192 for name in ("linear_key_head_dim", "linear_value_head_dim", "mamba_head_dim",
+                                            "ssm_state_size", "mamba_d_state", "global_head_dim", "index_head_dim")},
+                **{name: 131_072 for name in ("mamba_d_ssm", "hidden_size_per_layer_input", "shared_intermediate_size",
+                                               "moe_shared_expert_intermediate_size", "block_ff_dim")},
+                **{name: 1024 for name in ("linear_conv_kernel_dim", "conv_kernel", "mamba_d_conv", "conv_L_cache",
+                                            "num_kv_shared_layers")},
+                **{name: 65_536 for name in ("chunk_size", "mamba_chunk_size")}}
+MIXER_MAY_BE_ZERO = {"num_kv_shared_layers", "hidden_size_per_layer_input", "shared_intermediate_size"}
 # Facts that may be 0 (no experts, no separate expert width).
 MAY_BE_ZERO = {"experts", "top_k", "moe_intermediate", "head_dim"}
 
@@ -55,6 +68,9 @@ def check_config_facts(facts, label: str = "config") -> None:
     if isinstance(text, dict):
         check_config_facts({"model_type": model_type, **text}, f"{label}: text_config")
     values = {fact: _fact(facts, fact, model_type, label) for fact in LIMITS}
+    for name, limit in MIXER_LIMITS.items():
+        if facts.get(name) is not None:
+            _within(facts[name], name, 0 if name in MIXER_MAY_BE_ZERO else 1, limit, label)
     _check_relations(values, label)
 
 
@@ -68,11 +84,14 @@ def _fact(facts: dict, fact: str, model_type: str, label: str):
 
 
 def _checked(value, name: str, fact: str, label: str) -> int:
+    return _within(value, name, 0 if fact in MAY_BE_ZERO else 1, LIMITS[fact], label)
+
+
+def _within(value, name: str, low: int, high: int, label: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise UserError(f"{label}: field {name!r} must be an integer, not {short(value)}")
-    low = 0 if fact in MAY_BE_ZERO else 1
-    if not low <= value <= LIMITS[fact]:
-        raise UserError(f"{label}: field {name!r} is {short(value)}; it must be between {low} and {LIMITS[fact]:,}")
+    if not low <= value <= high:
+        raise UserError(f"{label}: field {name!r} is {short(value)}; it must be between {low} and {high:,}")
     return value
 
 

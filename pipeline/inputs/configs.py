@@ -52,6 +52,19 @@ def config_from_dict(facts: dict, label: str = "config") -> object:
 
 
 
+def as_config(config):
+    """A transformers config from a config.json dict or the path of a config.json (or the transformers
+    config itself): what the simulator's entry points take."""
+    if isinstance(config, (str, Path)):
+        config = read_config_file(config)
+    if isinstance(config, dict):
+        return config_from_dict(config)
+    if not hasattr(config, "to_dict") or not getattr(config, "model_type", None):
+        raise UserError(f"config must be a transformers config, a config.json dict or its path, not "
+                        f"{type(config).__name__}")
+    return config
+
+
 def read_config_file(path) -> dict:
     """The facts of a Hugging Face `config.json` given by path (the one reader of such a file)."""
     return read_json_object(path, "config file not found", "not a JSON config file", "not a JSON object")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
-from pipeline.inputs.aliases import FIELDS, names_of
+from pipeline.inputs.aliases import EXPERT_LAYER_PATTERNS, FIELDS, names_of
 
 
 @contextlib.contextmanager
@@ -31,7 +31,7 @@ def context_length(config) -> int | None:
         get = text.get
     else:
         text = getattr(config, "get_text_config", lambda: config)()
-        get = lambda name: getattr(text, name, None)  # noqa: E731
+        get = lambda name: attribute(text, name)  # noqa: E731
     for name in FIELDS["context"]:
         value = get(name)
         if isinstance(value, int) and value > 0:
@@ -56,9 +56,12 @@ def build_model(config, device: str = "meta", dtype=None, attn_implementation: s
 
 
 def model_dtype(precision: str):
+    """The dtype a precision builds its weights in (`vocabulary.Precision.weights`)."""
     import torch
 
-    return torch.bfloat16 if precision == "bf16" else torch.float32
+    from pipeline.core.vocabulary import precision_mode
+
+    return torch.bfloat16 if precision_mode(precision).weights == "bf16" else torch.float32
 
 
 def training_config(config):
@@ -115,11 +118,16 @@ def parameter_counts(model, config) -> dict:
 
 
 def moe_routing(config) -> tuple[int | None, int | None]:
-    """(number of routed experts, experts selected per token) from a config, under their various names."""
+    """(number of routed experts, experts selected per token) from a config, under their various names;
+    (None, None) for a dense model, also where a hybrid's layer pattern names no expert layer (a dense
+    Nemotron-H keeps its config class's default expert count)."""
     text = text_config(config)
     num_experts = first_int(text, FIELDS["experts"])
     top_k = first_int(text, FIELDS["top_k"])
     if not num_experts or num_experts < 2 or not top_k:
+        return None, None
+    pattern = EXPERT_LAYER_PATTERNS.get(attribute(text, "model_type"))
+    if pattern and pattern[1] not in (attribute(text, pattern[0]) or ()):
         return None, None
     return num_experts, top_k
 
@@ -148,15 +156,35 @@ def routed_expert_parameters(model, num_experts: int | None) -> int:
 
 
 def text_config(config):
+    """The text part of a config (a transformers config or a config.json dict)."""
+    if isinstance(config, dict):
+        return config["text_config"] if isinstance(config.get("text_config"), dict) else config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def attribute(config, name: str, default=None):
+    """`config.name` (default when absent); for a per-layer attribute of a heterogeneous config, which
+    transformers refuses to read globally (Gemma 4's head_dim and key/value heads differ in its full
+    attention layers), the value most layers have; `config` a transformers config or a config.json dict."""
+    if isinstance(config, dict):
+        return config.get(name, default)
+    if name in (getattr(config, "per_layer_attributes", None) or ()):
+        values = [getattr(layer, name, default) for layer in config.per_layer_config]
+        return max(values, key=values.count)
+    return getattr(config, name, default)
+
+
 def first_int(config, names) -> int | None:
-    """The first of `names` set to an int on the config or on a nested part of it (e.g. dbrx's ffn_config)."""
-    nested = [value for key, value in vars(config).items() if not key.startswith("_") and hasattr(value, "to_dict")]
-    for source in (config, *nested):
+    """The first of `names` set to an int on the config (a transformers config or a config.json dict)
+    or on a nested part of it (e.g. dbrx's ffn_config)."""
+    if isinstance(config, dict):
+        sources = [config, *(value for value in config.values() if isinstance(value, dict))]
+    else:
+        sources = [config, *(value for key, value in vars(config).items()
+                             if not key.startswith("_") and hasattr(value, "to_dict"))]
+    for source in sources:
         for name in names:
-            value = getattr(source, name, None)
+            value = attribute(source, name)
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
     return None
@@ -165,11 +193,11 @@ def first_int(config, names) -> int | None:
 def architecture_facts(config) -> dict:
     """Shape facts of models.parquet (docs/architecture.md), read from the text config."""
     text = text_config(config)
-    heads = first_int(text, names_of("heads", getattr(text, "model_type", None)))
+    heads = first_int(text, names_of("heads", attribute(text, "model_type")))
     hidden = first_int(text, FIELDS["hidden"])
     kv_heads = first_int(text, FIELDS["kv_heads"])
     if kv_heads is None and heads:
-        kv_heads = 1 if getattr(text, "multi_query", False) else heads
+        kv_heads = 1 if attribute(text, "multi_query", False) else heads
     head_dim = first_int(text, FIELDS["head_dim"]) or (hidden // heads if hidden and heads else None)
     num_experts, top_k = moe_routing(config)
     return {
@@ -181,7 +209,7 @@ def architecture_facts(config) -> dict:
         "head_dim": head_dim,
         "vocab_size": first_int(text, FIELDS["vocab"]),
         "context_length": context_length(config),
-        "tie_word_embeddings": bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))),
+        "tie_word_embeddings": bool(attribute(text, "tie_word_embeddings", attribute(config, "tie_word_embeddings", False))),
         "attention_kind": attention_kind(text, heads, kv_heads),
         "num_experts": num_experts,
         "num_experts_per_tok": top_k,
@@ -189,7 +217,7 @@ def architecture_facts(config) -> dict:
 
 
 def attention_kind(text, heads: int | None, kv_heads: int | None) -> str:
-    if getattr(text, "kv_lora_rank", None):
+    if attribute(text, "kv_lora_rank"):
         return "mla"  # multi-head latent attention (DeepSeek-V2/V3 and kin)
     if not heads:
         return "none"  # state-space and recurrent models

@@ -40,7 +40,8 @@ class ModelRecord:
     @classmethod
     def from_config(cls, model_id: str, config, facts: dict, family: str | None, model_type: str | None,
                     source: str | None, revision: str | None) -> ModelRecord:
-        """The record of a transformers `config` built from the config.json `facts`."""
+        """The record of a transformers `config` built from the config.json `facts` (or of the facts
+        alone, where they cannot be built: `parameters` is then None)."""
         text = text_config(config)
         layers = _positive(first_int(text, FIELDS["layers"]))
         hidden = _positive(first_int(text, FIELDS["hidden"]))
@@ -58,6 +59,8 @@ def _positive(value: int | None) -> int:
 def meta_parameters(config) -> int | None:
     from pipeline.inputs.modeling import build_model, training_config
 
+    if isinstance(config, dict):
+        return None  # facts that transformers refuses to build
     try:
         return count_parameters(build_model(training_config(config), device="meta"))
     except Exception:  # noqa: BLE001 - a model that cannot be built fails in its child, with a row
@@ -75,9 +78,13 @@ def load_model_records(configs_path, model_ids) -> tuple[dict[str, ModelRecord],
         if not entry or entry.get("status") != "ok":
             missing.append(model_id)
             continue
-        records[model_id] = ModelRecord.from_config(
-            model_id, config_from_dict(entry["config"], model_id), entry["config"], entry.get("family"),
-            entry.get("model_type"), entry.get("config_source"), entry.get("config_revision"))
+        try:
+            config = config_from_dict(entry["config"], model_id)
+        except UserError:  # planned from its facts; its points become rows saying why it cannot be built
+            config = entry["config"]
+        records[model_id] = ModelRecord.from_config(model_id, config, entry["config"], entry.get("family"),
+                                                    entry.get("model_type"), entry.get("config_source"),
+                                                    entry.get("config_revision"))
     return records, missing
 
 

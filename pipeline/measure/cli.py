@@ -32,6 +32,9 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--gradient-accumulation", type=positive_int, default=1, metavar="K",
                         help="micro-batches per optimizer step (trainer)")
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--liger-kernel", action="store_true", help="Liger's kernels (trainer, sft)")
+    parser.add_argument("--completion-share", type=float, default=1.0, metavar="S",
+                        help="the share of positions with a label (sft; default 1)")
     parser.add_argument("--attn", choices=ATTENTIONS, default="default")
     parser.add_argument("--variant", choices=VARIANTS, default="standard")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -51,7 +54,7 @@ def _measure_command(args) -> int:
     from pipeline.training.adapters import adapter_from_arguments
 
     setting = Setting(args.variant, args.optimizer, args.checkpointing, args.client, args.optim,
-                      args.gradient_accumulation, adapter_from_arguments(args))
+                      args.gradient_accumulation, adapter_from_arguments(args), args.liger_kernel, args.completion_share)
     row = measure(record, args.batch, args.seq, args.precision, setting, args.attn, device, not args.no_tf32)
     if args.json:
         print(json.dumps(row, default=str))

@@ -29,7 +29,7 @@ from pipeline.core.errors import UserError
 from pipeline.core.vocabulary import ATTENTIONS, PRECISIONS, WEIGHT_BYTES, check_choice
 from pipeline.inputs.modeling import attn_used, build, count_parameters
 from pipeline.inputs.records import ModelRecord
-from pipeline.measure.clients import client_module
+from pipeline.measure.clients import WRAPS_ADAPTERS, client_module
 from pipeline.measure.clients.tracking import PhaseTracker, storage_bytes
 from pipeline.measure.device import setup_device
 from pipeline.measure.nvml import nvml_columns
@@ -158,10 +158,17 @@ def host_memory_shortfall(record: ModelRecord, precision: str, device: str) -> s
 def build_point_model(record: ModelRecord, setting: Setting, precision: str, attn: str, device: str):
     """(model, the columns of its build): random weights in the precision's dtype; with adapters a
     fresh base (quantized for QLoRA) wrapped by PEFT (pipeline.training.adapters), whose `parameters` are the
-    base's and `trainable_parameters` the adapters'."""
+    base's and `trainable_parameters` the adapters'. A client that wraps the adapters itself
+    (`clients.WRAPS_ADAPTERS`: SFTTrainer's peft_config) gets the fresh base alone; it reports the
+    trainable parameters as it runs."""
     start = time.perf_counter()
     config = record.transformers_config()
-    if setting.adapter is None:
+    if setting.adapter is not None and setting.client in WRAPS_ADAPTERS:
+        from pipeline.training.adapters import build_adapter_base
+
+        model = build_adapter_base(config, record.model_id, setting.adapter, precision, attn, device)
+        parameters, trainable = record.parameters, None
+    elif setting.adapter is None:
         model = build(config, precision, attn, device)
         parameters, trainable = count_parameters(model), None
     else:

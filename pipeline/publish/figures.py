@@ -24,7 +24,9 @@ FIGURES = {
     "formula_vs_counted": ("coefficients.json",),
     "formula_residuals_by_family": ("coefficients.json",),
     "full_vs_lora_vs_qlora": ("peak_memory.parquet", "lora/h100/peak_memory.parquet"),
+    "trainer_vs_sft": ("sft/h100/peak_memory.parquet",),
 }
+SFT_MODELS = ("Qwen/Qwen2.5-0.5B", "meta-llama/Llama-3.2-1B")  # the Trainer and SFTTrainer of config/sweep_sft.yaml
 ADAPTER_MODELS = ("Qwen/Qwen3-0.6B", "meta-llama/Llama-3.2-1B", "google/gemma-2-2b", "meta-llama/Llama-3.2-3B")
 BAND_RESAMPLES = 1000
 
@@ -214,9 +216,10 @@ def formula_points(results_dir: Path):
     import pandas as pd
 
     section = read(results_dir, "coefficients.json").get("activation_formula", {})
-    return pd.DataFrame.from_records(section.get("hook_predictions") or [],
-                                     columns=["model_id", "family", "counted", "formula", "formula_lofo", "line",
-                                              "line_lofo", "blog"])
+    points = pd.DataFrame.from_records(section.get("hook_predictions") or [],
+                                       columns=["model_id", "family", "counted", "formula", "formula_lofo", "line",
+                                                "line_lofo", "blog", "held_out"])
+    return points.assign(held_out=points["held_out"].eq(True))  # kept out of the fit (fit.formula.HELD_OUT_MODELS)
 
 
 def relative_errors(points, column: str):
@@ -239,6 +242,9 @@ def draw_formula_vs_counted(results_dir: Path):
         for i, (family, group) in enumerate(points.groupby("family")):
             ax.scatter(group["counted"], group[column], s=14, color=colours[family],
                        marker=marker(sorted(colours).index(family)), zorder=3)
+        held = points[points["held_out"]]
+        ax.scatter(held["counted"], held[column], s=70, facecolors="none", edgecolors="black", zorder=4,
+                   label="held out of the fit")
         ax.plot([low, high], [low, high], color="black", lw=1, label="y = x")
         ax.fill_between([low, high], [low / 1.1, high / 1.1], [low * 1.1, high * 1.1], color="grey", alpha=0.15,
                         label="±10%")
@@ -415,6 +421,43 @@ def draw_full_vs_lora_vs_qlora(results_dir: Path):
     return figure
 
 
+def sft_series(rows, model_id: str) -> dict:
+    """Measured ok peaks of one model in bf16-autocast, without Liger, every position labelled, K=1: the
+    Trainer with its defaults (no checkpointing), SFTTrainer with its defaults (checkpointing), and
+    SFTTrainer with LoRA r=16 on all linears (checkpointing)."""
+    rows = rows[(rows["model_id"] == model_id) & (rows["status"] == "ok") & (rows["precision"] == "bf16-autocast")
+                & ~rows["liger_kernel"].fillna(False).astype(bool) & (rows["completion_share"].fillna(1.0) == 1.0)
+                & (rows["gradient_accumulation"].fillna(1) == 1)]
+    checkpointing = rows["gradient_checkpointing"].fillna(False).astype(bool)
+    full, lora = rows["lora_r"].isna(), (rows["lora_r"] == 16) & (rows["lora_targets"] == "all-linear")
+    return {"Trainer (no checkpointing)": rows[(rows["client"] == "trainer") & full & ~checkpointing],
+            "SFTTrainer (its defaults)": rows[(rows["client"] == "sft") & full & checkpointing],
+            "SFTTrainer + LoRA r=16": rows[(rows["client"] == "sft") & lora & checkpointing]}
+
+
+def draw_trainer_vs_sft(results_dir: Path):
+    import matplotlib.pyplot as plt
+
+    rows = read(results_dir, "sft/h100/peak_memory.parquet")
+    figure, axes = plt.subplots(1, len(SFT_MODELS), figsize=(4.6 * len(SFT_MODELS), 4), squeeze=False,
+                                layout="constrained")
+    for ax, model_id in zip(axes[0], SFT_MODELS):
+        series = sft_series(rows, model_id)
+        if all(part.empty for part in series.values()):
+            no_data(ax, f"no ok rows of {model_id}")
+            continue
+        for colour, (label, part) in enumerate(series.items()):
+            part = part.assign(tokens=part["batch_size"] * part["seq_len"]).sort_values("tokens")
+            ax.plot(part["tokens"], part["peak_allocated_bytes"] / GIB, "o-", ms=4, lw=1, color=f"C{colour}",
+                    label=label)
+        ax.set(xscale="log", xlabel="tokens per step B×L", ylabel="peak allocated (GiB)", title=model_id)
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(fontsize=7)
+    figure.suptitle("transformers.Trainer vs TRL's SFTTrainer (fused LM head, checkpointing) vs SFTTrainer + LoRA, "
+                    "bf16 weights under bf16 autocast (measured, H100)")
+    return figure
+
+
 def draw_saved_bytes_vs_seq_len(results_dir: Path):
     import matplotlib.pyplot as plt
 
@@ -454,6 +497,7 @@ DRAWERS = {
     "formula_vs_counted": draw_formula_vs_counted,
     "formula_residuals_by_family": draw_formula_residuals_by_family,
     "full_vs_lora_vs_qlora": draw_full_vs_lora_vs_qlora,
+    "trainer_vs_sft": draw_trainer_vs_sft,
 }
 
 

@@ -16,16 +16,15 @@ import json
 import math
 
 from pipeline.core.errors import UserError
+from pipeline.core.vocabulary import MAX_LORA_RANK, MAX_TOKENS
 
-# The server's caps (one line in docs/serve.md): the body of a request, the tokens of one simulated step,
-# the GPU's memory (which bounds the searches), the GPUs of a sharded run, the micro-batches of one step
-# and the LoRA rank.
+# The server's caps (one line in docs/serve.md): the body of a request, and, tighter than the library's
+# own limits (core.vocabulary: tokens of one step, LoRA rank), the GPU's memory (which bounds the
+# searches), the GPUs of a sharded run and the micro-batches of one step.
 MAX_BODY_BYTES = 1 << 20
-MAX_TOKENS = 1 << 24
 MAX_GPU_MEMORY_GIB = 1024
 MAX_NUM_GPUS = 1024
 MAX_GRADIENT_ACCUMULATION = 64
-MAX_LORA_RANK = 4096
 LIMITS = (f"the server refuses a request body over {MAX_BODY_BYTES >> 20} MiB, batch x seq over {MAX_TOKENS:,} "
           f"tokens, a GPU over {MAX_GPU_MEMORY_GIB} GiB, more than {MAX_NUM_GPUS} GPUs, gradient accumulation "
           f"over {MAX_GRADIENT_ACCUMULATION} and a LoRA rank over {MAX_LORA_RANK}")

@@ -7,7 +7,8 @@ bytes of every storage from its creation until its last reference goes, rounded 
 caching allocator counts them. Where CUDA behaves differently from the meta device (which attention
 kernel runs and what it saves, autocast, kernel scratch memory) rules mirror CUDA.
 
-Modules: `api` (simulate), `predict` (the loop's loop_peak, the meta model cache), `trainer` (trainer_peak),
+Modules: `api` (simulate), `trace` (any training code under the simulator: `pipeline.trace`; the
+clients' installation), `predict` (the loop's loop_peak, the meta model cache), `trainer` (trainer_peak),
 `distributed` (distributed_peak), `step` (the step under the tracker),
 `tracker` (live bytes by role), `allocator` (the caching allocator's blocks), `output_cache`,
 `rules` (the TorchFunctionMode: autocast, SDPA, dropout), `sdpa`, `kernels` (workspaces, host

@@ -47,8 +47,17 @@ def cached_adapter_model(config_json: str, precision: str, attn_implementation: 
                          gradient_checkpointing: bool):
     """The PeftModel on the meta device, built once per (config, precision, attention, adapter, checkpointing)."""
     from pipeline.training.adapters import apply_adapters
+
+    model = fresh_base_model(config_json, precision, attn_implementation, adapter.quantization)
+    return apply_adapters(model, adapter, gradient_checkpointing)
+
+
+def fresh_base_model(config_json: str, precision: str, attn_implementation: str | None, quantization: str | None):
+    """A model on the meta device built anew (in the precision's dtype; `quantization` nf4: its 4-bit
+    base, `quantize_on_meta`), for a client that wraps or patches the model it is given (SFTTrainer)."""
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
+    from pipeline.training.adapters import AdapterSpec
 
     config = config_from_dict(json.loads(config_json))
     try:
@@ -56,9 +65,9 @@ def cached_adapter_model(config_json: str, precision: str, attn_implementation: 
     except Exception as exc:  # noqa: BLE001 - transformers rejects some configs / attention choices
         raise UserError(f"the model cannot be built from this config: {type(exc).__name__}: "
                         f"{(str(exc).strip().splitlines() or [''])[0]}"[:300]) from None
-    if adapter.quantization:
-        quantize_on_meta(model, adapter)
-    return apply_adapters(model, adapter, gradient_checkpointing)
+    if quantization:
+        quantize_on_meta(model, AdapterSpec.make(8, quantization=quantization))
+    return model
 
 
 def quantization_config(adapter):
@@ -102,13 +111,29 @@ def packed_weight(module, config):
                       quant_storage=torch.uint8, module=module, bnb_quantized=True)
 
 
+def quantization_state(model) -> list:
+    """The tensors a quantized base keeps beside its packed weights (bitsandbytes' QuantState:
+    absmax per block, the code; Int8Params' row scales), allocated with the weights."""
+    tensors = []
+    for param in model.parameters():
+        state = getattr(param, "quant_state", None)
+        while state is not None:
+            tensors += [t for t in (getattr(state, "absmax", None), getattr(state, "code", None),
+                                    getattr(state, "offset", None)) if t is not None and hasattr(t, "device")]
+            state = getattr(state, "state2", None)
+        scales = getattr(param, "SCB", None)
+        if scales is not None:
+            tensors.append(scales)
+    return tensors
+
 
 def fresh_adapter_model(config_json: str, precision: str, attn_implementation: str | None, adapter,
                         gradient_checkpointing: bool):
-    """The PeftModel of `cached_adapter_model`, new at every call: the Trainer switches checkpointing
-    and wraps the forward of the model it trains, which a cached model would keep. A deep copy of one
-    that no step has run on (a fifth of a build for a 7B model); a quantized base is built anew
-    (bitsandbytes' 4-bit parameters on the meta device cannot be deep-copied)."""
+    """The PeftModel of `cached_adapter_model`, new at every call (`predict.run_model`'s `anew`, outside a
+    trace): the Trainer switches checkpointing and wraps the forward of the model it trains, which a
+    cached model would keep. A deep copy of one that no step has run on (a fifth of a build for a 7B
+    model); a quantized base is built anew (bitsandbytes' 4-bit parameters on the meta device cannot be
+    deep-copied)."""
     if adapter.quantization:
         return cached_adapter_model.__wrapped__(config_json, precision, attn_implementation, adapter,
                                                 gradient_checkpointing)

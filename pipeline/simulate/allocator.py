@@ -219,6 +219,13 @@ class Fanout:
         for allocator, address in zip(self.allocators, addresses):
             allocator.free(address)
 
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache() in the default allocators (the expandable segments' is not replayed: their
+        mapped pages stay)."""
+        for allocator in self.allocators:
+            if not isinstance(allocator, ExpandableSegments):
+                allocator.empty_cache()
+
     def record(self) -> None:
         for allocator in self.allocators:
             allocator.trace = []

@@ -7,7 +7,7 @@ import json
 from pipeline.core.paths import CONFIGS, PEAKS, SIMULATED
 from pipeline.core.arguments import positive_int
 from pipeline.simulate.predict import ATTENTIONS
-from pipeline.core.vocabulary import OPTIMIZERS, PRECISIONS, VARIANTS
+from pipeline.core.vocabulary import CLIENTS, OPTIMIZERS, OPTIMS, PRECISIONS, VARIANTS
 
 
 def add_cli(subparsers) -> None:
@@ -20,6 +20,12 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--client", choices=CLIENTS, default="loop")
+    parser.add_argument("--optim", choices=OPTIMS, default=None, help="the Trainer clients' (trainer, sft)")
+    parser.add_argument("--gradient-accumulation", type=positive_int, default=1, metavar="K")
+    parser.add_argument("--liger-kernel", action="store_true", help="Liger's kernels (trainer, sft)")
+    parser.add_argument("--completion-share", type=float, default=1.0, metavar="S",
+                        help="the share of positions with a label (sft; default 1)")
     parser.add_argument("--attn-implementation", choices=ATTENTIONS, default="default")
     parser.add_argument("--variant", choices=VARIANTS, default="standard")
     parser.add_argument("--configs", default=CONFIGS,
@@ -39,15 +45,19 @@ def add_cli(subparsers) -> None:
 
 
 def _simulate_command(args) -> int:
-    from pipeline.simulate.predict import loop_peak
+    from pipeline.simulate.api import simulate
     from pipeline.training.adapters import adapter_from_arguments
     from pipeline.training.values import Run
 
     adapter = adapter_from_arguments(args)
     resolved = _resolve(args.model, args.config, args.configs)
     attention = None if args.attn_implementation == "default" else args.attn_implementation
-    estimate = loop_peak(resolved.config, Run(args.batch, args.seq, args.precision, args.optimizer, args.checkpointing,
-                                              attention, adapter=adapter, variant=args.variant))
+    loop = args.client == "loop"
+    estimate = simulate(resolved.config, Run(args.batch, args.seq, args.precision, args.optimizer if loop else None,
+                                             args.checkpointing, attention, client=args.client, optim=args.optim,
+                                             gradient_accumulation=args.gradient_accumulation, adapter=adapter,
+                                             variant=args.variant, liger_kernel=args.liger_kernel,
+                                             completion_share=args.completion_share))
     result = {"peak_bytes": estimate.peak_bytes, "components": estimate.components,
               "peak_reserved_bytes": estimate.reserved_bytes,
               "peak_reserved_expandable_bytes": estimate.reserved_expandable_bytes, **estimate.details,

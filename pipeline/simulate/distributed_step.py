@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 
 from pipeline.simulate.allocator import CachingAllocator, ExpandableSegments, Fanout
-from pipeline.training.step import STEPS, Setting, make_optimizer, set_training_mode, token_ids, training_loss, zero_grad
+from pipeline.training.step import (STEPS, Setting, autocast_dtype, make_optimizer, set_training_mode, token_ids,
+                                    training_loss, zero_grad)
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -52,7 +53,7 @@ def simulate_sharded_step(model, sharding: str, mesh, batch_size: int, seq_len: 
     set_training_mode(model, setting)
     if gradient_checkpointing:
         rules.wrap_checkpointing(model)
-    amp_dtype = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
+    amp_dtype = autocast_dtype(precision)
     amp = (lambda: rules.autocast(amp_dtype)) if amp_dtype is not None else contextlib.nullcontext
     fake = _fake_group()
     if sharding != "ddp":  # sharded before the peak counter starts, as the GPU run does

@@ -23,7 +23,8 @@ class MetaOutputCache:
         if not self._is_functional(func):
             return func(*args, **kwargs)
         try:
-            key = (func, _describe(args), _describe(kwargs))
+            # factories without a dtype follow torch's default dtype (a model built in bf16 sets it)
+            key = (func, torch.get_default_dtype(), _describe(args), _describe(kwargs))
             hash(key)
         except TypeError:
             return func(*args, **kwargs)

@@ -11,6 +11,7 @@ import time
 
 from pipeline.core.text import first_line
 from pipeline.core.errors import UserError
+from pipeline.inputs.configs import as_config
 from pipeline.core.vocabulary import check_choice
 from pipeline.training.values import Estimate, Run
 
@@ -31,28 +32,44 @@ def loop_peak(config, run: Run) -> Estimate:
     `run.adapter` (LoRA / QLoRA) is run by PEFT's own wrapping on a meta model of its own
     (`pipeline.simulate.adapters`; `trainable_parameters` in details); `run.reserve_limit`: the bytes the
     process may reserve on its GPU, where the reserved replay gives cached segments back as the
-    allocator does.
+    allocator does; `run.fresh_process`: the process's first step, whose cuBLAS workspaces are made at
+    their first use inside the step (else before it, by an earlier point of the process).
     """
     from pipeline.simulate.step import simulate_training_step
+    from pipeline.simulate.trace import Trace
 
     start = time.perf_counter()
     check_loop(run)
     config = as_config(config)
-    attention = meta_attention(run.attn_implementation)
-    if run.adapter is None:
-        model = cached_meta_model(config_key(config), run.precision, attention)
-    else:
-        from pipeline.simulate.adapters import cached_adapter_model, check_adapter
-
-        check_adapter(run.adapter, run.variant)
-        model = cached_adapter_model(config_key(config), run.precision, attention, run.adapter, run.checkpointing)
+    trace = Trace("meta", reserve_limit=run.reserve_limit, warm=not run.fresh_process, automatic=False)
+    model = run_model(config, run, trace)
     result = simulate_training_step(model, run.batch, run.seq, run.precision, run.optimizer, run.checkpointing,
-                                    run.variant, device_type="meta", reserve_limit=run.reserve_limit)
+                                    run.variant, trace=trace)
     if run.adapter is not None:
         from pipeline.training.adapters import trainable_parameters
 
         result["trainable_parameters"] = trainable_parameters(model)
     return estimate_of(result, start)
+
+
+def run_model(config, run: Run, trace, anew: bool = False):
+    """The meta model of `run` (with its adapters): for a process's first point (`run.fresh_process`)
+    built in `trace` (`Trace.record`: the build's allocations, transient ones too, are the process's
+    first, as on a GPU: a tied head's own weight made and dropped, PEFT's adapters made in the base's
+    dtype and cast to fp32); else the one cached per config, precision, attention and adapters, or a new one outside the trace
+    (`anew`: for a client that changes the model it trains; `adapters.fresh_adapter_model`)."""
+    from pipeline.simulate.adapters import cached_adapter_model, check_adapter, fresh_adapter_model
+
+    attention = meta_attention(run.attn_implementation)
+    if run.adapter is None:
+        build, args = cached_meta_model, (config_key(config), run.precision, attention)
+    else:
+        check_adapter(run.adapter, run.variant)
+        build, args = cached_adapter_model, (config_key(config), run.precision, attention, run.adapter,
+                                             run.checkpointing)
+    if run.fresh_process:
+        return trace.record(lambda: build.__wrapped__(*args))
+    return fresh_adapter_model(*args) if anew and run.adapter is not None else build(*args)
 
 
 def estimate_of(result: dict, start: float) -> Estimate:
@@ -73,17 +90,6 @@ def check_loop(run: Run) -> None:
 def meta_attention(attn_implementation):
     """The attention implementation to build with: None for the library's default."""
     return None if attn_implementation in (None, "default") else attn_implementation
-
-
-def as_config(config):
-    """A transformers config from a config.json dict (or the transformers config itself)."""
-    from pipeline.inputs.configs import config_from_dict
-
-    if isinstance(config, dict):
-        return config_from_dict(config)
-    if not hasattr(config, "to_dict") or not getattr(config, "model_type", None):
-        raise UserError(f"config must be a transformers config or a config.json dict, not {type(config).__name__}")
-    return config
 
 
 def config_key(config) -> str:

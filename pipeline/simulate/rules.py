@@ -31,10 +31,14 @@ class KernelRules(CudaAutocast):
     def __init__(self, device_type: str = "meta", sdpa: bool = True):
         super().__init__(device_type)
         self.sdpa = sdpa
+        self.half_attention = False  # whether SDPA ran in 16 bits (CUDA loads its flash / efficient kernels)
 
     def call(self, func, name, args, kwargs):
-        if self.sdpa and name == "scaled_dot_product_attention":
-            return cuda_sdpa(*args, **kwargs)
+        if name == "scaled_dot_product_attention":
+            query = args[0] if args else kwargs.get("query")
+            self.half_attention |= getattr(query, "dtype", None) in (torch.float16, torch.bfloat16)
+            if self.sdpa:
+                return cuda_sdpa(*args, **kwargs)
         if self.sdpa and name == "dropout":
             return cuda_dropout(func, args, kwargs)
         if name in ("grouped_mm", "_grouped_mm") and args[0].dtype != torch.bfloat16 \

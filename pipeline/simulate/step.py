@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import contextlib
 
-from pipeline.simulate.allocator import (CachingAllocator, ExpandableSegments, Fanout, allocated_bytes,
-                                         later_steps_reserved)
+from pipeline.simulate.allocator import allocated_bytes, later_steps_reserved
 from pipeline.simulate.scaler import scaler_tensors
-from pipeline.training.step import (Setting, grad_scaler, make_optimizer, set_training_mode, token_ids, trainable, training_loss,
-                           zero_grad)
+from pipeline.training.step import (Setting, autocast_dtype, grad_scaler, make_optimizer, set_training_mode, token_ids,
+                                    trainable, training_loss, zero_grad)
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -30,48 +29,37 @@ PHASES = ("forward", "backward", "optimizer")
 def simulate_training_step(model, batch_size: int, seq_len: int, precision: str = "fp32", optimizer: str = "adamw",
                            gradient_checkpointing: bool = False, variant: str = "standard",
                            device_type: str = "meta", cuda_rules: bool = True, blocks: bool = True,
-                           reserve_limit: int | None = None) -> dict:
-    """Run the training step of `model` (on `device_type`) under the live-byte tracker.
+                           reserve_limit: int | None = None, warm: bool = True, trace=None) -> dict:
+    """Run the training step of `model` (on `device_type`) under the live-byte tracker (a
+    `pipeline.simulate.trace.Trace` whose phases and roles this step marks itself).
 
     `device_type="cpu"` with real weights runs the same step for real (the tests compare both).
     `cuda_rules=False` leaves SDPA to the device's own choice. `blocks=False` counts requests
-    rounded to 512 bytes instead of the caching allocator's blocks.
+    rounded to 512 bytes instead of the caching allocator's blocks. `warm=False`: the process's first
+    step, cuBLAS's workspaces made at their first use (`kernels.CublasWorkspaces`). `trace`: a Trace
+    that recorded the model's build (`Trace.record`), instead of one made here (then the arguments
+    above that it has are its own).
     """
-    import torch
 
-    from pipeline.simulate.kernels import CUBLAS_WORKSPACES, host_outputs, workspace_rules
-    from pipeline.simulate.rules import KernelRules
-    from pipeline.simulate.scaler import scaler_stand_ins
-    from pipeline.simulate.stand_ins import UniformValues, scalar_stand_ins
-    from pipeline.simulate.tracker import LiveBytesTracker
+    from pipeline.simulate.trace import Trace
 
     setting = Setting(variant, optimizer, gradient_checkpointing)
-    rules = KernelRules(device_type, sdpa=cuda_rules)
-    meta = device_type == "meta"
-    reserved = Fanout([CachingAllocator(reserve_limit), ExpandableSegments()])
-    stand_ins = {**scalar_stand_ins(), **scaler_stand_ins()} if meta else None
-    tracker = LiveBytesTracker(device_type, workspace_rules() if cuda_rules else None, stand_ins,
-                               UniformValues() if meta else None,
-                               CachingAllocator() if blocks else None, host_outputs() if cuda_rules else None,
-                               reserved)
+    if trace is None:
+        trace = Trace(device_type, reserve_limit=reserve_limit, warm=warm, cuda_rules=cuda_rules, blocks=blocks,
+                      automatic=False)
+    rules, tracker, reserved = trace.rules, trace.tracker, trace.reserved
     set_training_mode(model, setting)
     if gradient_checkpointing:
         rules.wrap_checkpointing(model)
     params = list(model.parameters())
-    for tensor in params + list(model.buffers()) + quantization_state(model):
-        tracker.track(tensor, "parameters")
-    workspaces = [torch.empty(size, dtype=torch.uint8, device=device_type) for size in CUBLAS_WORKSPACES]
-    for workspace in workspaces if cuda_rules else ():
-        tracker.track(workspace, "activations")
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradients"))
-             for p in params if p.requires_grad]
+    trace.watch(model)
     opt = make_optimizer(trainable(params), setting, foreach=True)  # CUDA's default; meta tensors have none
     saved = SavedTensors(params)
-    amp_dtype = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}.get(precision)
+    amp_dtype = autocast_dtype(precision)
     amp = rules.autocast(amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
     scaler = grad_scaler(precision, device_type)
     try:
-        with rules, tracker:
+        with trace:
             reserved.record()
             tracker.start_phase("forward", "activations")
             ids = token_ids(model, batch_size, seq_len, setting, device_type)
@@ -97,42 +85,27 @@ def simulate_training_step(model, batch_size: int, seq_len: int, precision: str 
             optimizer_trace = reserved.stop()
             tracker.phase = None
     finally:
-        for hook in hooks:
-            hook.remove()
         model.zero_grad(set_to_none=True)
     state_bytes = tracker.bytes_of(state)
     state_raw_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in state
                            if tracker.bytes_of([t])}.values())  # not AdamW's step counters (host scalars)
     loss_bytes = allocated_bytes(loss.untyped_storage().nbytes()) if loss.device.type == device_type else 0
     # the previous step's loss and the scaler's tensors (made in step 1's backward) are alive in the
-    # forward of steps 2 and 3
+    # forward of steps 2 and 3; so are cuBLAS's workspaces that step 1 made after a phase's peak
     carried = loss_bytes + tracker.bytes_of(scaler_tensors(scaler))
-    result = summarise(tracker.peaks, step1, state_bytes, carried, saved_bytes)
+    late = {phase: tracker.bytes_of([workspace for workspace in trace.workspace_tensors()
+                                     if tracker.created(workspace) > tracker.peaks[phase].seq])
+            for phase in ("forward", "backward")}
+    result = summarise(tracker.peaks, step1, state_bytes, carried, saved_bytes, late)
     result["optimizer_state_bytes"] = state_raw_bytes  # as pipeline.measure.point reports it: storage bytes
     ids_at, loss_at = tracker.address_of(ids), tracker.address_of(loss)
-    once = [at for at in (tracker.address_of(t) for t in scaler_tensors(scaler)) if at]
-    backward = [without_first_allocations(trace, [at[i] for at in once]) for i, trace in enumerate(backward)]
+    forward = once_made(forward, tracker, trace.workspace_tensors("forward"))
+    backward = once_made(backward, tracker, scaler_tensors(scaler) + trace.workspace_tensors("backward"))
     result["peak_reserved_bytes"], result["peak_reserved_expandable_bytes"] = (
         later_steps_reserved(allocator, *traces, ids_at and ids_at[i], loss_at and loss_at[i])
         for i, (allocator, *traces) in enumerate(zip(reserved.allocators, forward, backward, optimizer_trace)))
     result["reserve_limit_exceeded"] = reserved.allocators[0].out_of_memory
     return result
-
-
-def quantization_state(model) -> list:
-    """The tensors a quantized base keeps beside its packed weights (bitsandbytes' QuantState:
-    absmax per block, the code; Int8Params' row scales), allocated with the weights."""
-    tensors = []
-    for param in model.parameters():
-        state = getattr(param, "quant_state", None)
-        while state is not None:
-            tensors += [t for t in (getattr(state, "absmax", None), getattr(state, "code", None),
-                                    getattr(state, "offset", None)) if t is not None and hasattr(t, "device")]
-            state = getattr(state, "state2", None)
-        scales = getattr(param, "SCB", None)
-        if scales is not None:
-            tensors.append(scales)
-    return tensors
 
 
 def optimizer_step(opt, scaler) -> None:
@@ -144,6 +117,13 @@ def optimizer_step(opt, scaler) -> None:
         scaler.update()
 
 
+def once_made(traces: list, tracker, tensors: list) -> list:
+    """Each allocator's trace of a phase of step 1 less the allocations of `tensors` (made in that phase
+    once and kept: the scaler's, cuBLAS's workspaces of a first step)."""
+    once = [at for at in (tracker.address_of(t) for t in tensors) if at]
+    return [without_first_allocations(events, [at[i] for at in once]) for i, events in enumerate(traces)]
+
+
 def without_first_allocations(trace: list, addresses: list) -> list:
     """`trace` less the allocations of blocks that the first step makes once and keeps (the
     scaler's scale and growth tracker, made by the first `scale()`): later steps do not repeat them."""
@@ -152,10 +132,13 @@ def without_first_allocations(trace: list, addresses: list) -> list:
     return [event for i, event in enumerate(trace) if i not in drop]
 
 
-def summarise(peaks, optimizer_step1, state_bytes, carried_bytes, saved_bytes) -> dict:
+def summarise(peaks, optimizer_step1, state_bytes, carried_bytes, saved_bytes, late: dict | None = None) -> dict:
     """Phase peaks over the three steps, and the components at the overall peak (`carried_bytes`:
-    alive in the forward of later steps besides the optimizer state)."""
-    later = {"forward": state_bytes + carried_bytes, "backward": state_bytes, "optimizer": 0}
+    alive in the forward of later steps besides the optimizer state; `late`: bytes by phase that step 1
+    made after that phase's peak and kept, alive in that phase of later steps)."""
+    late = late or {}
+    later = {"forward": state_bytes + carried_bytes + late.get("forward", 0),
+             "backward": state_bytes + late.get("backward", 0), "optimizer": 0}
     if optimizer_step1.total > peaks["optimizer"].total:
         peaks["optimizer"] = optimizer_step1
     phase_peaks, parts = {}, {}

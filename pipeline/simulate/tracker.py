@@ -13,7 +13,9 @@ that the meta device cannot; `observer(func, args, kwargs, out)` sees every op; 
 requests rounded to 512 bytes; `reserved_allocator` (another one) replays the same allocations
 plus the kernels' scratch memory (allocated and freed inside the op) for the reserved bytes, apart
 so that the allocated-bytes replay stays as it was tuned; `host_outputs` ({op: fn(args, kwargs) ->
-output indices}) names outputs that CUDA keeps on the host.
+output indices}) names outputs that CUDA keeps on the host; `after_outputs(func, args, kwargs)`, when
+set, runs after an op's outputs are counted (what a kernel allocates then and keeps: cuBLAS's
+workspaces, `kernels.CublasWorkspaces`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self.device_type = device_type
         self.workspace_rules = workspace_rules or {}
         self.stand_ins = stand_ins or {}
+        self.after_outputs = None
         self.untracked_ops = _host_scalar_ops() if device_type == "cpu" else ()
         self.output_cache = SHARED_OUTPUT_CACHE if device_type == "meta" else None
         self.plans = {}  # id(op) -> (op, its stand-in, host outputs and workspace rule, untracked?): `plan`
@@ -111,6 +114,19 @@ class LiveBytesTracker(TorchDispatchMode):
     def _unreserve(self, address) -> None:
         if address is not None:
             self.reserved_allocator.free(address)
+
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache(): the cached segments that are one free block go back, in the allocated
+        bytes' replay and the reserved one."""
+        for allocator in (self.allocator, self.reserved_allocator):
+            if allocator is not None:
+                allocator.empty_cache()
+
+    def created(self, tensor) -> int | None:
+        """The allocation count at which `tensor`'s storage was counted (None if it is not): a peak's
+        `Snapshot.seq` below it was before the storage existed."""
+        entry = self.entries.get(id(tensor.untyped_storage()))
+        return entry[3] if entry is not None else None
 
     def address_of(self, tensor):
         """The reserved allocator's block of `tensor`'s storage (None if not counted)."""
@@ -209,6 +225,8 @@ class LiveBytesTracker(TorchDispatchMode):
                     self.track(t)
         elif hasattr(out, "untyped_storage") and 0 not in skip:
             self.track(out)
+        if self.after_outputs is not None:
+            self.after_outputs(func, args, kwargs)
         if rule is None:
             self.note_peak()
             return out

@@ -33,6 +33,11 @@ What differs from a CUDA run, and is stood in for (`MetaRules`):
   `create_optimizer` registers with optim_bits=32), its quantile maps are copied there, and
   its update `torch.ops.bitsandbytes.optimizer_update_{8bit_blockwise,32bit}` is in place, with
   fake kernels registered by bitsandbytes (`_ops.py`) that allocate nothing, as the CUDA kernels do.
+- Liger's kernels (`run.liger_kernel`): `Trainer.train()` applies them first (`apply_liger_kernel`),
+  here too, and everything they rebind is put back after the run (`pipeline.training.liger`); their
+  Python wrappers run for real, their Triton launches are no-ops (`pipeline.simulate.kernel_paths`).
+- data-dependent values of the micro-batches (label counts, Liger's `.item()` of them): every
+  micro-batch tensor carries its host values (`pipeline.simulate.shadows`).
 Data collation's pinned CPU memory is host memory: not counted.
 """
 
@@ -41,9 +46,9 @@ from __future__ import annotations
 import contextlib
 import time
 
-from pipeline.simulate.predict import as_config, cached_meta_model, check_loop, config_key, estimate_of, meta_attention
-from pipeline.training.step import STEPS, Setting, set_training_mode
 from pipeline.core.vocabulary import OPTIMS, check_choice
+from pipeline.simulate.predict import as_config, check_loop, estimate_of, run_model
+from pipeline.training.step import STEPS, Setting, set_training_mode
 from pipeline.training.values import Estimate, Run
 
 PHASES = ("setup", "forward", "backward", "optimizer")
@@ -51,29 +56,23 @@ PHASES = ("setup", "forward", "backward", "optimizer")
 
 def trainer_peak(config, run: Run) -> Estimate:
     """`Trainer.train()` for three optimizer steps of `run.gradient_accumulation` micro-batches
-    (client = trainer; `run.optim` by its transformers name) of `config` on meta tensors, as
-    `loop_peak` answers: the peak allocated and reserved with the cuBLAS workspaces of an earlier
-    point in the process, components, and phase_peaks, peak_phase, optimizer_state_bytes, seconds in
-    details.
+    (client = trainer; `run.optim` by its transformers name; `run.liger_kernel`) of `config` on meta
+    tensors, as `loop_peak` answers: the peak allocated and reserved (cuBLAS's workspaces made in the
+    step, or by an earlier point of the process: `run.fresh_process`), components, and phase_peaks,
+    peak_phase, optimizer_state_bytes, seconds in details.
 
     `run.adapter` (LoRA / QLoRA): the Trainer trains the PeftModel that the loop simulator builds
-    (`pipeline.simulate.adapters`), built anew for each call, with its own PEFT handling;
+    (`predict.run_model`), built anew for each call, with its own PEFT handling;
     `trainable_parameters` is then in details too."""
     start = time.perf_counter()
     check_choice("optim", run.optim, OPTIMS)
     check_loop(run)
-    check_installed(run.optim)
+    check_installed(run.optim, run.liger_kernel)
     config = as_config(config)
-    attention = meta_attention(run.attn_implementation)
-    if run.adapter is None:
-        model = cached_meta_model(config_key(config), run.precision, attention)
-    else:
-        from pipeline.simulate.adapters import check_adapter, fresh_adapter_model
-
-        check_adapter(run.adapter, "standard")
-        model = fresh_adapter_model(config_key(config), run.precision, attention, run.adapter, run.checkpointing)
+    trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process)
+    model = run_model(config, run, trace, anew=True)
     result = simulate_trainer(model, run.batch, run.seq, run.precision, run.optim, run.gradient_accumulation,
-                              run.checkpointing, reserve_limit=run.reserve_limit)
+                              run.checkpointing, liger_kernel=run.liger_kernel, trace=trace)
     if run.adapter is not None:
         from pipeline.training.adapters import trainable_parameters
 
@@ -81,52 +80,61 @@ def trainer_peak(config, run: Run) -> Estimate:
     return estimate_of(result, start)
 
 
-def check_installed(optim: str) -> None:
-    """The simulator runs the optimizer's own code: its package must be importable here."""
+def check_installed(optim: str, liger_kernel: bool = False) -> None:
+    """The simulator runs the optimizer's and Liger's own code: their packages must be importable here."""
     import importlib.util
 
     from pipeline.core.errors import UserError
 
     if optim == "adamw_bnb_8bit" and importlib.util.find_spec("bitsandbytes") is None:
         raise UserError("optim adamw_bnb_8bit needs bitsandbytes, which is not installed here (pip install bitsandbytes)")
+    if liger_kernel:
+        from pipeline.training.liger import liger_unavailable
+
+        reason = liger_unavailable()
+        if reason:
+            raise UserError(f"{reason} (pip install liger-kernel)")
 
 
 def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim: str, gradient_accumulation: int,
                      gradient_checkpointing: bool, device_type: str = "meta", steps: int = STEPS,
-                     prepared_before: bool = False, reserve_limit: int | None = None) -> dict:
+                     prepared_before: bool = False, reserve_limit: int | None = None,
+                     liger_kernel: bool = False, warm: bool = True, trace=None) -> dict:
     """Run the Trainer's steps on `model` (on `device_type`) under the tracker; `device_type="cpu"`
     with real weights runs the same code for real (the tests compare both). `prepared_before`: the
     model was prepared by an earlier Trainer that left accelerate's mark on it (the GPU client did,
     before commit 57dc319, from the second point of a process on): no autocast wrapper."""
-    import torch
+    from pipeline.simulate.trainer_parts import meta_trainer
 
-    from pipeline.simulate.accumulation import accumulation_stand_ins
-    from pipeline.simulate.allocator import CachingAllocator, ExpandableSegments, Fanout
-    from pipeline.simulate.kernels import CUBLAS_WORKSPACES, host_outputs, workspace_rules
-    from pipeline.simulate.rules import KernelRules
-    from pipeline.simulate.scaler import scaler_stand_ins
-    from pipeline.simulate.stand_ins import UniformValues, scalar_stand_ins
-    from pipeline.simulate.step import quantization_state
-    from pipeline.simulate.tracker import LiveBytesTracker
-
-    meta = device_type == "meta"
-    rules = KernelRules(device_type)
-    reserved = Fanout([CachingAllocator(reserve_limit), ExpandableSegments()])
-    stand_ins = {**scalar_stand_ins(), **scaler_stand_ins()} if meta else {}
-    stand_ins.update(accumulation_stand_ins())  # on a real CPU run too: it is the engine's rule, not the device's
-    tracker = LiveBytesTracker(device_type, workspace_rules(), stand_ins,
-                               UniformValues() if meta else None, CachingAllocator(), host_outputs(), reserved)
-    set_training_mode(model, Setting())  # as the GPU client: checkpointing off, the Trainer switches it on
-    for tensor in list(model.parameters()) + list(model.buffers()) + quantization_state(model):
-        tracker.track(tensor, "parameters")
-    workspaces = [torch.empty(size, dtype=torch.uint8, device=device_type) for size in CUBLAS_WORKSPACES]
-    for workspace in workspaces:
-        tracker.track(workspace, "activations")
-    run = TrainerRun(model, batch_size, seq_len, precision, optim, gradient_accumulation, gradient_checkpointing,
-                     device_type, rules, tracker)
+    trainer = meta_trainer(model, batch_size, precision, optim, gradient_accumulation, gradient_checkpointing,
+                           device_type, liger_kernel)
+    run = TrainerRun(trainer, seq_len, precision, gradient_checkpointing, device_type)
     run.prepared_before = prepared_before
+    return simulate_run(run, steps, reserve_limit, warm, trace)
+
+
+def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None = None, warm: bool = True,
+                 trace=None) -> dict:
+    """A Trainer client's run (`TrainerRun` or a subclass) for `steps` optimizer steps in a
+    `pipeline.simulate.trace.Trace` (the live-byte tracker, CUDA's kernel rules, the allocator replay;
+    `warm=False`: the process's first step, cuBLAS's workspaces made at first use) with the Triton
+    wrappers' CUDA paths: the peak, its components, phase peaks, the optimizer state's bytes and the
+    reserved bytes. `trace`: one made with `trainer_trace` that recorded the model's build."""
+    from pipeline.simulate.kernel_paths import cuda_paths
+
+    device_type, model = run.device_type, run.model
+    trace = trace if trace is not None else trainer_trace(device_type, reserve_limit, warm)
+    rules, tracker, reserved, shadows = trace.rules, trace.tracker, trace.reserved, trace.observer
+    set_training_mode(model, Setting())  # as the GPU client: checkpointing off, the Trainer switches it on
+    for counted in run.models():
+        trace.watch(counted)
+    run.attach(rules, tracker)
+    if run.liger:  # outside the tracker: its imports are no part of the step (pipeline.training.liger)
+        from pipeline.training.liger import import_liger
+
+        import_liger()
     try:
-        with rules, tracker, fused_on(device_type):
+        with cuda_paths(rules, trl=run.fused_head, liger=run.liger), trace, fused_on(device_type):
             run.setup()
             for _ in range(steps):
                 run.step()
@@ -138,11 +146,30 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
     phase_peaks = {phase: peaks[phase].total for phase in PHASES if phase in peaks}
     top = max(phase_peaks, key=phase_peaks.get)
     components = dict(peaks[top].parts)
-    return {"peak_bytes": peaks["total"].total, "components": components, "peak_phase": top,
-            "phase_peaks": phase_peaks, "optimizer_state_bytes": state,
-            "peak_reserved_bytes": reserved.allocators[0].peak,
-            "reserve_limit_exceeded": reserved.allocators[0].out_of_memory,
-            "peak_reserved_expandable_bytes": reserved.allocators[1].reserved}
+    result = {"peak_bytes": peaks["total"].total, "components": components, "peak_phase": top,
+              "phase_peaks": phase_peaks, "optimizer_state_bytes": state,
+              "peak_reserved_bytes": reserved.allocators[0].peak,
+              "reserve_limit_exceeded": reserved.allocators[0].out_of_memory,
+              "peak_reserved_expandable_bytes": reserved.allocators[1].reserved}
+    if getattr(shadows, "unknown", None):
+        result["values_answered_without_data"] = len(shadows.unknown)
+    return result
+
+
+def trainer_trace(device_type: str = "meta", reserve_limit: int | None = None, warm: bool = True):
+    """The Trace a Trainer client runs in: host shadows as its observer (on meta), the engine's in-place
+    gradient accumulation, the CPU's `addmm(out_dtype=...)`; phases and roles marked by the run."""
+    from pipeline.simulate.accumulation import accumulation_stand_ins
+    from pipeline.simulate.kernel_paths import out_dtype_addmm_stand_ins
+    from pipeline.simulate.shadows import Shadows, shadow_stand_ins
+    from pipeline.simulate.trace import Trace
+
+    shadows = Shadows() if device_type == "meta" else None
+    stand_ins = shadow_stand_ins(shadows) if shadows is not None else {}
+    stand_ins.update(accumulation_stand_ins())  # on a real CPU run too: it is the engine's rule, not the device's
+    stand_ins.update(out_dtype_addmm_stand_ins())
+    return Trace(device_type, reserve_limit=reserve_limit, warm=warm, automatic=False, stand_ins=stand_ins,
+                 observer=shadows)
 
 
 @contextlib.contextmanager
@@ -159,33 +186,56 @@ def fused_on(device_type: str):
 
 
 class TrainerRun:
-    """One Trainer on `model` and the state of its loop (`Trainer._run_epoch`), step by step."""
+    """One Trainer (made with `pipeline.simulate.trainer_parts.meta_trainer`) on its model and the state of
+    its loop (`Trainer._run_epoch`), step by step. A subclass changes where the micro-batches come from."""
 
-    def __init__(self, model, batch_size, seq_len, precision, optim, gradient_accumulation, gradient_checkpointing,
-                 device_type, rules, tracker):
-        from pipeline.simulate.trainer_parts import meta_trainer
+    fused_head = False  # TRL's fused LM head (SFTTrainer)
 
-        self.model, self.device_type, self.rules, self.tracker = model, device_type, rules, tracker
-        self.batch_size, self.seq_len, self.accumulation = batch_size, seq_len, gradient_accumulation
-        self.trainer = meta_trainer(model, batch_size, precision, optim, gradient_accumulation,
-                                    gradient_checkpointing, device_type)
+    def __init__(self, trainer, seq_len: int, precision: str, gradient_checkpointing: bool, device_type: str):
+        self.trainer, self.model = trainer, trainer.model
+        self.device_type, self.seq_len = device_type, seq_len
+        self.batch_size = trainer.args.per_device_train_batch_size
+        self.accumulation = trainer.args.gradient_accumulation_steps
         self.precision, self.checkpointing = precision, gradient_checkpointing
-        self.hooks = [model.register_forward_pre_hook(lambda *_: tracker.start_phase("forward", "activations")),
-                      model.register_forward_hook(lambda *_: tracker.start_phase("backward", "activations"))]
-        self.hooks += [p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradients"))
-                       for p in model.parameters() if p.requires_grad]
+        self.liger = bool(trainer.args.use_liger_kernel)
+        self.rules = self.tracker = None
+        self.hooks = []
         self.batches = None
         self.tr_loss = None
         self.prepared_before = False
+        self.liger_patches = None
+
+    def models(self) -> list:
+        """The models on the device whose weights are parameters (the trained one; DPO's reference too)."""
+        return [self.model]
+
+    def attach(self, rules, tracker) -> None:
+        """The phases of `tracker` follow the model's forward (the trace that `tracker` belongs to tags the
+        gradients as they accumulate)."""
+        model = self.model
+        self.rules, self.tracker = rules, tracker
+        self.hooks = [model.register_forward_pre_hook(lambda *_: tracker.start_phase("forward", "activations")),
+                      model.register_forward_hook(lambda *_: tracker.start_phase("backward", "activations"))]
 
     def setup(self) -> None:
-        """`_prepare_for_training` and the start of `_inner_training_loop`."""
+        """The start of `Trainer.train()` (Liger's kernels), `_prepare_for_training` and the start of
+        `_inner_training_loop`."""
         import torch
 
         from pipeline.simulate.trainer_parts import prepare_model
 
         self.tracker.start_phase("setup", "activations")
+        # `_inner_training_loop` starts with `accelerator.free_memory()`: gc and torch.cuda.empty_cache(), which
+        # gives back the segments of a process's first point that its build left free (a tied head's weight)
+        self.tracker.empty_cache()
         trainer = self.trainer
+        if self.liger:
+            from transformers.integrations.liger import apply_liger_kernel
+
+            from pipeline.training.liger import LigerPatches
+
+            self.liger_patches = LigerPatches(self.model).__enter__()
+            apply_liger_kernel(self.model, trainer.args.liger_kernel_config)
         if self.checkpointing:
             from pipeline.simulate.trainer_parts import enable_checkpointing
 
@@ -224,15 +274,18 @@ class TrainerRun:
         model.zero_grad()
 
     def micro_batch(self) -> dict:
-        """A collated batch (host memory) moved to the device, as accelerate's dataloader does."""
+        """A collated batch (host memory) moved to the device, as accelerate's dataloader does (on meta
+        each tensor carries its host values)."""
         import torch
 
         from pipeline.inputs.modeling import vocabulary_size
+        from pipeline.simulate.shadows import shadowed
 
         ids = torch.randint(0, vocabulary_size(self.model), (self.batch_size, self.seq_len))
         items = [{"input_ids": row, "labels": row} for row in ids]
         batch = self.trainer.data_collator(items)
-        return {key: value.to(self.device_type) for key, value in batch.items()}
+        return {key: shadowed(value, self.device_type) if self.device_type == "meta" else value.to(self.device_type)
+                for key, value in batch.items()}
 
     def state_tensors(self) -> list:
         import torch
@@ -251,5 +304,10 @@ class TrainerRun:
         for hook in self.hooks:
             hook.remove()
         self.batches = self.tr_loss = None
-        restore(self.model, self.trainer)
+        try:
+            restore(self.model, self.trainer)
+        finally:
+            if self.liger_patches is not None:
+                self.liger_patches.restore()
+                self.liger_patches = None
         self.trainer = None

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 import torch
 from transformers import Trainer, TrainingArguments
 
-from pipeline.training.step import STEPS
+from pipeline.core.vocabulary import precision_mode
+from pipeline.training.step import STEPS, autocast_dtype, mixed_precision_args
 
 
 class MetaTrainingArguments(TrainingArguments):
@@ -36,15 +37,16 @@ class MetaTrainer(Trainer):
 
 
 def meta_trainer(model, batch_size: int, precision: str, optim: str, gradient_accumulation: int,
-                 gradient_checkpointing: bool, device_type: str) -> MetaTrainer:
+                 gradient_checkpointing: bool, device_type: str, liger_kernel: bool = False) -> MetaTrainer:
     """`pipeline.measure.clients.trainer.training_arguments` with use_cpu=True (the accelerator must not
     ask for a GPU), the model left where it is."""
     output_dir = tempfile.mkdtemp(prefix="avp-simtrainer-")
     args = MetaTrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch_size, max_steps=STEPS,
                                  gradient_accumulation_steps=gradient_accumulation,
-                                 bf16=precision == "amp-bf16", fp16=precision == "amp-fp16",
+                                 **mixed_precision_args(precision),
                                  gradient_checkpointing=gradient_checkpointing, optim=optim,
-                                 save_strategy="no", disable_tqdm=True, use_cpu=True, report_to="none")
+                                 use_liger_kernel=liger_kernel, save_strategy="no", disable_tqdm=True, use_cpu=True,
+                                 report_to="none")
     trainer = MetaTrainer(model=model, args=args)
     trainer.simulated_device = torch.device(device_type)
     return trainer
@@ -59,33 +61,41 @@ def enable_checkpointing(trainer: Trainer, model) -> None:
                                         every_n_layers=every_n_layers, offload=offload)
 
 
-AUTOCAST_DTYPES = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
-
-
 def prepare_model(trainer: Trainer, model, rules, precision: str, prepared_before: bool = False) -> None:
     """accelerate's `prepare_model` and `prepare_optimizer` without device placement, as
     `Trainer._prepare_for_training` calls them (`accelerator.prepare(model, optimizer)`), its autocast
-    context CUDA's. amp-fp16: the accelerator gets the scaler that accelerate makes on a GPU
-    (`get_grad_scaler`: `torch.amp.GradScaler("cuda")`, defaults) on the simulated device; on a CPU
-    accelerate makes none. `prepared_before`: the model carries accelerate's `_is_accelerate_prepared`
-    from an earlier Trainer, so `prepare_model` leaves its forward unwrapped (no autocast)."""
-    import accelerate.accelerator as accelerator_module
-
+    context CUDA's (`cuda_autocast_preparation`). amp-fp16: the accelerator gets the scaler that
+    accelerate makes on a GPU (`get_grad_scaler`: `torch.amp.GradScaler("cuda")`, defaults) on the
+    simulated device; on a CPU accelerate makes none. `prepared_before`: the model carries accelerate's
+    `_is_accelerate_prepared` from an earlier Trainer, so `prepare_model` leaves its forward unwrapped
+    (no autocast)."""
     accelerator = trainer.accelerator
-    if precision in AUTOCAST_DTYPES:
-        accelerator.native_amp = True  # accelerate on a CPU decides by the CPU's bf16 support / no fp16
-    if precision == "amp-fp16":
+    if precision_mode(precision).scaler:
         accelerator.scaler = torch.amp.GradScaler(trainer.simulated_device.type)
     if prepared_before:
         model._is_accelerate_prepared = True
-    dtype = AUTOCAST_DTYPES.get(precision, torch.bfloat16)
+    with cuda_autocast_preparation(accelerator, rules, precision):
+        accelerator.prepare_model(model, device_placement=False)
+    trainer.optimizer = accelerator.prepare_optimizer(trainer.optimizer, device_placement=False)
+
+
+@contextlib.contextmanager
+def cuda_autocast_preparation(accelerator, rules, precision: str):
+    """accelerate's model preparation as on a GPU: its autocast wrapper of the forward (`native_amp`,
+    which accelerate on a CPU decides by the CPU's bf16 support, or never for fp16) with CUDA's autocast
+    emulated by `rules` in the precision's autocast dtype."""
+    import accelerate.accelerator as accelerator_module
+
+    dtype = autocast_dtype(precision)
+    if dtype is not None:
+        accelerator.native_amp = True
+    dtype = dtype or torch.bfloat16
     original = accelerator_module.get_mixed_precision_context_manager
     accelerator_module.get_mixed_precision_context_manager = lambda *a, **k: rules.autocast(dtype)
     try:
-        accelerator.prepare_model(model, device_placement=False)
+        yield
     finally:
         accelerator_module.get_mixed_precision_context_manager = original
-    trainer.optimizer = accelerator.prepare_optimizer(trainer.optimizer, device_placement=False)
 
 
 def restore(model, trainer) -> None:

@@ -247,15 +247,19 @@ def load_quantized(folder, spec: AdapterSpec, precision: str, attn: str = "defau
 
 def build_adapter_model(config, model_id: str, spec: AdapterSpec, precision: str, attn: str, device: str,
                         gradient_checkpointing: bool):
-    """The PeftModel of one point: a fresh base (random weights in the precision's dtype, or the
-    quantized reload of a saved random init), then `apply_adapters`."""
+    """The PeftModel of one point: `build_adapter_base`, then `apply_adapters`."""
+    model = build_adapter_base(config, model_id, spec, precision, attn, device)
+    return apply_adapters(model, spec, gradient_checkpointing)
+
+
+def build_adapter_base(config, model_id: str, spec: AdapterSpec, precision: str, attn: str, device: str):
+    """The base of one adapter point, fresh: random weights in the precision's dtype, or the quantized
+    reload of a saved random init."""
     from pipeline.inputs.modeling import build
 
     if spec.quantization:
-        model = load_quantized(saved_base(config, model_id), spec, precision, attn, device)
-    else:
-        model = build(config, precision, attn, device)
-    return apply_adapters(model, spec, gradient_checkpointing)
+        return load_quantized(saved_base(config, model_id), spec, precision, attn, device)
+    return build(config, precision, attn, device)
 
 
 # --- command-line arguments (measure here; the lead's estimate) -------------------------------------

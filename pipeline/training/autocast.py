@@ -9,6 +9,20 @@ weights are cached until the outermost autocast exits, as CUDA's cast cache is.
     with CudaAutocast(device_type="meta").autocast(torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
 
+CUDA autocast acts at the dispatcher, below the composite (CompositeImplicitAutograd) ops that
+decompose into other aten ops: `torch.square(x)` runs as `pow(x, 2)`, which CUDA autocast computes in
+fp32 (and `1 / x` as `reciprocal(x)`). A TorchFunctionMode sees the Python-level name only, so
+`COMPOSITE_OPS` names, for each such entry point the registry's architectures call, the listed aten op
+its decomposition runs first, and the emulation casts as for that op (relu-squared MLPs: nanochat,
+BitNet, Nemotron, Nemotron-H, Persimmon; `tests/test_simulate.py` checks the table against the
+dispatcher on their forwards).
+
+Model code may also ask for the autocast state and act on it: Nemotron's LayerNorm1P casts its
+inputs to the autocast dtype itself and normalises with autocast off; rotary embeddings compute
+their angles with autocast off (transformers' `maybe_autocast(enabled=False)`). While the emulation
+is on, `torch.is_autocast_enabled`, `torch.get_autocast_dtype` and transformers' `maybe_autocast`
+answer for it (`model_code_view`), as torch's own answer for CUDA tensors.
+
 This module is the project's one copy of the op lists and of the casting rule; the simulator's
 kernel rules (`pipeline.simulate.rules.KernelRules`) extend the class.
 """
@@ -48,6 +62,10 @@ PROMOTE_OPS = frozenset({
     "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
     "tensordot", "scatter_add",
 })
+# Composite Python entry points that the op lists above do not name but whose decomposition starts with an
+# op they do: CUDA autocast casts that inner op's inputs, so the entry point is cast as that op.
+COMPOSITE_OPS = {"square": "pow", "__rdiv__": "reciprocal", "__rtruediv__": "reciprocal"}
+AUTOCAST_OPS = LOWER_PRECISION_OPS | FP32_OPS | FP32_SET_DTYPE_OPS | PROMOTE_OPS
 # where a dtype may be given positionally (after the tensor), by Python entry point
 DTYPE_POSITION = {"softmax": (3, 2), "log_softmax": (3, 2)}
 
@@ -73,13 +91,48 @@ class CudaAutocast(TorchFunctionMode):
         self.autocast_dtype = (dtype or torch.bfloat16) if enabled else None
         self.autocast_depth += 1
         try:
-            with contextlib.nullcontext() if self.active() else self:
+            with contextlib.nullcontext() if self.active() else self, \
+                    self.model_code_view() if self.autocast_depth == 1 else contextlib.nullcontext():
                 yield
         finally:
             self.autocast_depth -= 1
             self.autocast_dtype = previous
             if self.autocast_depth == 0:
                 self.cast_cache.clear()
+
+    @contextlib.contextmanager
+    def model_code_view(self):
+        """torch's autocast queries and transformers' maybe_autocast answer for this emulation (the module
+        docstring says why); restored when the outermost `autocast` exits."""
+        import sys
+
+        def is_enabled(*args, **kwargs):
+            return self.autocast_dtype is not None
+
+        def get_dtype(*args, **kwargs):
+            return self.autocast_dtype or torch.bfloat16
+
+        def maybe_autocast(device_type=None, dtype=None, enabled=True, cache_enabled=None):
+            if not enabled:
+                return self.autocast(enabled=False)
+            if self.autocast_dtype is None:
+                return contextlib.nullcontext()
+            return self.autocast(dtype or self.autocast_dtype)
+
+        generic = sys.modules.get("transformers.utils.generic")
+        original = vars(generic).get("maybe_autocast") if generic is not None else None
+        patches = [(torch, "is_autocast_enabled", is_enabled), (torch, "get_autocast_dtype", get_dtype)]
+        if original is not None:
+            patches += [(module, "maybe_autocast", maybe_autocast) for name, module in list(sys.modules.items())
+                        if name.startswith("transformers") and vars(module).get("maybe_autocast") is original]
+        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        try:
+            yield
+        finally:
+            for owner, name, value in saved:
+                setattr(owner, name, value)
 
     def active(self) -> bool:
         """Whether this mode is on the current TorchFunctionMode stack (backward runs outside it)."""
@@ -107,7 +160,12 @@ class CudaAutocast(TorchFunctionMode):
         return self.cast(value, dtype)
 
     def autocast_args(self, name: str, args, kwargs):
-        """The arguments of op `name` as CUDA autocast passes them on."""
+        """The arguments of op `name` as CUDA autocast passes them on. A call with `out=` is not cast:
+        CUDA registers its autocast kernels for the functional overloads only (`mm`, `addmm`, not
+        `mm.out`), so `torch.addmm(acc, a, b, out=acc)` runs as written (its fp32 `out` stays fp32)."""
+        if "out" in kwargs:
+            return args, kwargs
+        name = COMPOSITE_OPS.get(name, name)
         if name in LOWER_PRECISION_OPS:
             dtype = self.autocast_dtype
         elif name in FP32_OPS:
@@ -154,9 +212,11 @@ class CudaAutocast(TorchFunctionMode):
             original = getattr(module, "_gradient_checkpointing_func", None)
             if original is None or getattr(original, "_simulated", False):
                 continue
-            module._gradient_checkpointing_func = self._checkpoint_with_state(original)
+            module._gradient_checkpointing_func = self.checkpoint_with_state(original)
 
-    def _checkpoint_with_state(self, original):
+    def checkpoint_with_state(self, original):
+        """`original` (torch.utils.checkpoint.checkpoint or a partial of it) recomputing under the
+        autocast state of the forward that called it."""
         def checkpoint(function, *args, **kwargs):
             dtype = self.autocast_dtype
 

@@ -31,22 +31,31 @@ COLUMN_DTYPES = {
     # adapters (pipeline.training.adapters): None for full fine-tuning
     "lora_r": "Int64", "lora_alpha": "Int64", "lora_targets": "string", "quantization": "string",
     "trainable_parameters": "Int64",
+    # Liger's kernels (use_liger_kernel) and the share of positions with a label (SFTTrainer's completion mask)
+    "liger_kernel": "boolean", "completion_share": "float64",
 }
 COLUMNS = tuple(COLUMN_DTYPES)
 
 # A measured point of the peak table is one row per these columns.
-# The adapter columns (LoRA rank and targets, the base's quantization) are None without adapters.
+# The adapter columns (LoRA rank and targets, the base's quantization) are None without adapters;
+# liger_kernel is false and completion_share 1.0 where they do not apply (and in rows written before them).
 POINT_KEY = ("model_id", "precision", "variant", "optimizer", "gradient_checkpointing", "attn_implementation",
              "batch_size", "seq_len", "client", "optim", "gradient_accumulation", "lora_r", "lora_targets",
-             "quantization")
+             "quantization", "liger_kernel", "completion_share")
 ADAPTER_KEY = ("lora_r", "lora_targets", "quantization")
 # The key of the standard step's points before the client and adapter columns (the simulate stage's table).
 STANDARD_KEY = POINT_KEY[:8]
+# The columns added after the client columns, and what a row written before them means.
+SETTING_DEFAULTS = {"liger_kernel": False, "completion_share": 1.0}
 
 
 def with_client_columns(row: dict) -> dict:
     """A row written before the client columns existed is the loop's: client loop, optim as the loop's
-    optimizer's transformers name, no gradient accumulation."""
+    optimizer's transformers name, no gradient accumulation; one written before the Liger and
+    completion columns ran without Liger, every position labelled (`SETTING_DEFAULTS`)."""
+    missing = {k: v for k, v in SETTING_DEFAULTS.items() if row.get(k) is None}
+    if missing:
+        row = {**row, **missing}
     if row.get("client") is not None:
         return row
     setting = Setting.from_row(row)
@@ -58,10 +67,14 @@ def with_client_columns_frame(frame):
     """A peak table (pandas) read as `with_client_columns` reads a row: missing client columns are the
     loop's, missing adapter columns None (full fine-tuning)."""
     missing = [column for column in ADAPTER_KEY if column not in frame.columns]
-    if missing:
+    defaults = {column: value for column, value in SETTING_DEFAULTS.items()
+                if column not in frame.columns or frame[column].isna().any()}
+    if missing or defaults:
         frame = frame.copy()
         for column in missing:
             frame[column] = None
+        for column, value in defaults.items():
+            frame[column] = frame[column].fillna(value) if column in frame.columns else value
     if "client" in frame.columns:
         return frame
     frame = frame.copy()
@@ -69,6 +82,21 @@ def with_client_columns_frame(frame):
     frame["optim"] = frame["optimizer"].map(OPTIM_OF_LOOP_OPTIMIZER)
     frame["gradient_accumulation"] = 1
     return frame
+
+
+def first_in_process(frame):
+    """Whether each row of a peak table (pandas) is the first point its process ran (`child_pid`,
+    `started_at`; a process measures one model): the first whose steps ran (CUDA's
+    `allocated_before_bytes` recorded; a skipped point or one settled after an oom ran nothing). There
+    cuBLAS's workspaces were made inside the step, not before it (`values.Run.fresh_process`)."""
+    import pandas as pd
+
+    if not {"child_pid", "started_at", "model_id"} <= set(frame.columns):
+        return pd.Series(False, index=frame.index)
+    ran = frame["allocated_before_bytes"].notna() if "allocated_before_bytes" in frame.columns else \
+        pd.Series(True, index=frame.index)
+    order = frame[ran].sort_values("started_at").groupby(["child_pid", "model_id"]).cumcount()
+    return (order == 0).reindex(frame.index, fill_value=False).astype(bool)
 
 
 def table_rows(path) -> list[dict]:

@@ -9,10 +9,13 @@ The blog's own loop (`variant="blog"`) is the second, named variant: eval mode, 
 use_cache, ids below 100, loss = mean(logits), zero_grad() without set_to_none.
 
 A `Setting` also names the client that runs the steps (`loop`: the step above; `trainer`:
-transformers.Trainer, see pipeline.measure.clients), its optimizer by transformers name (`optim`), the
-gradient accumulation (micro-batches per optimizer step, the trainer's only) and the adapters
-(`adapter`: LoRA or QLoRA, pipeline.training.adapters; None for full fine-tuning). The optimizer takes the
-parameters that require gradients: all of them, or the adapters' on a frozen base.
+transformers.Trainer; `sft`: TRL's SFTTrainer, see pipeline.measure.clients), its optimizer by
+transformers name (`optim`), the gradient accumulation (micro-batches per optimizer step, the Trainer
+clients' only), the adapters (`adapter`: LoRA or QLoRA, pipeline.training.adapters; None for full
+fine-tuning), Liger's kernels (`liger_kernel`: `use_liger_kernel=True` of the Trainer clients) and the
+share of positions that carry a label (`completion_share`, SFTTrainer's prompt-completion data with
+`completion_only_loss`; 1.0 everywhere else). The optimizer takes the parameters that require
+gradients: all of them, or the adapters' on a frozen base.
 """
 
 from __future__ import annotations
@@ -23,25 +26,27 @@ from dataclasses import dataclass
 from pipeline.training.adapters import AdapterSpec
 from pipeline.core.errors import UserError
 from pipeline.inputs.modeling import vocabulary_size
-from pipeline.core.vocabulary import (CLIENTS, OPTIM_OF_LOOP_OPTIMIZER, OPTIMIZERS, OPTIMS, VARIANTS, check_choice,
-                                 check_positive_int)
+from pipeline.core.vocabulary import (CLIENTS, OPTIM_OF_LOOP_OPTIMIZER, OPTIMIZERS, OPTIMS, TRAINER_CLIENTS, TRL_CLIENTS,
+                                      VARIANTS, check_choice, check_positive_int, precision_mode)
 
 STEPS = 3
 BLOG_ID_RANGE = 100  # the blog's ids: torch.randint(0, 100, (B, L))
 LEARNING_RATE = 1e-3  # AdamW's default; the value changes no memory
 
 
-TRAINER_DEFAULT_OPTIM = "adamw_torch_fused"  # TrainingArguments.optim's default (transformers 5.17)
+TRAINER_DEFAULT_OPTIM = "adamw_torch_fused"  # TrainingArguments.optim's default (transformers 5.17; SFTConfig's too)
+# What SFTTrainer turns on by default that the other clients leave off (SFTConfig of trl 1.16).
+SFT_DEFAULT_CHECKPOINTING = True
 
 
 @dataclass(frozen=True)
 class Setting:
-    """What varies within one process: the client, the loop variant, the optimizer, checkpointing
-    and gradient accumulation.
+    """What varies within one process: the client, the loop variant, the optimizer, checkpointing,
+    gradient accumulation, adapters, Liger's kernels and the completion share.
 
     `optimizer` is the loop's (adamw, sgd), `optim` the transformers name: for the loop it follows
-    from `optimizer` (None where no name is exact), for the trainer it is the choice (default
-    adamw_torch_fused) and `optimizer` is None.
+    from `optimizer` (None where no name is exact), for the Trainer clients (trainer, sft, dpo) it is the
+    choice (default adamw_torch_fused) and `optimizer` is None.
     """
 
     variant: str = "standard"
@@ -51,6 +56,8 @@ class Setting:
     optim: str | None = None
     gradient_accumulation: int = 1
     adapter: AdapterSpec | None = None
+    liger_kernel: bool = False
+    completion_share: float = 1.0
 
     def __post_init__(self):
         if self.client == "loop":
@@ -58,16 +65,22 @@ class Setting:
             object.__setattr__(self, "optimizer", optimizer)
             if self.optim is None:
                 object.__setattr__(self, "optim", OPTIM_OF_LOOP_OPTIMIZER.get(optimizer))
-        elif self.client == "trainer" and self.optim is None:
+        elif self.client in TRAINER_CLIENTS and self.optim is None:
             object.__setattr__(self, "optim", TRAINER_DEFAULT_OPTIM)
+        share = self.completion_share
+        if isinstance(share, int) and not isinstance(share, bool) and 0 < share <= 1:  # 1 is 1.0 (the key's value)
+            object.__setattr__(self, "completion_share", float(share))
 
     @classmethod
     def from_row(cls, row: dict) -> Setting:
-        """The setting of a peak-table row; rows written before the client columns are the loop's."""
+        """The setting of a peak-table row; rows written before the client columns are the loop's,
+        rows written before the Liger and completion columns ran without Liger on every position."""
         client = row.get("client") or "loop"
+        share = row.get("completion_share")
         return cls(row.get("variant") or "standard", row.get("optimizer"), bool(row.get("gradient_checkpointing")),
                    client, row.get("optim") if client != "loop" else None, row.get("gradient_accumulation") or 1,
-                   AdapterSpec.from_row(row))
+                   AdapterSpec.from_row(row), bool(row.get("liger_kernel") or False),
+                   1.0 if share is None or share != share else float(share))
 
     def check(self) -> None:
         check_choice("client", self.client, CLIENTS)
@@ -86,7 +99,7 @@ class Setting:
             if self.optim != OPTIM_OF_LOOP_OPTIMIZER[self.optimizer]:
                 raise UserError(f"optim is the trainer client's; the loop takes optimizer ({', '.join(OPTIMIZERS)})")
             if self.gradient_accumulation != 1:
-                raise UserError("gradient_accumulation other than 1 needs client trainer")
+                raise UserError(f"gradient_accumulation other than 1 needs a Trainer client ({', '.join(TRAINER_CLIENTS)})")
         else:
             if self.optimizer is not None:
                 raise UserError(f"optimizer is the loop client's; the {self.client} client takes optim "
@@ -94,6 +107,15 @@ class Setting:
             check_choice("optim", self.optim, OPTIMS)
             if self.variant != "standard":
                 raise UserError(f"the {self.client} client runs the standard variant only")
+        if not isinstance(self.liger_kernel, bool):
+            raise UserError(f"liger_kernel must be true or false, not {self.liger_kernel!r}")
+        if self.liger_kernel and self.client not in TRAINER_CLIENTS:
+            raise UserError(f"liger_kernel is use_liger_kernel of the Trainer clients ({', '.join(TRAINER_CLIENTS)}), "
+                            f"not of the {self.client} client")
+        check_share(self.completion_share)
+        if self.completion_share != 1.0 and self.client not in TRL_CLIENTS:
+            raise UserError(f"completion_share is TRL's trainers' ({', '.join(TRL_CLIENTS)}), not the {self.client} "
+                            "client's")
 
     @property
     def blog(self) -> bool:
@@ -104,6 +126,18 @@ class Setting:
         if self.adapter is None:
             return dict.fromkeys(("lora_r", "lora_alpha", "lora_targets", "quantization"))
         return self.adapter.columns()
+
+
+def check_share(share) -> None:
+    """A completion share is a number in (0, 1]: the fraction of each sequence's positions that carry a label."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise UserError(f"completion_share must be a number in (0, 1], not {share!r}")
+
+
+def mixed_precision_args(precision: str) -> dict:
+    """TrainingArguments' (and SFTConfig's) bf16 and fp16 of a precision: its autocast's dtype, named."""
+    autocast_name = precision_mode(precision).autocast
+    return {"bf16": autocast_name == "bf16", "fp16": autocast_name == "fp16"}
 
 
 def trainable(params) -> list:
@@ -152,19 +186,24 @@ def zero_grad(optimizer, setting: Setting) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def autocast(precision: str, device: str):
-    """The amp modes: the forward and the loss under bf16 or fp16 autocast (backward and optimizer outside)."""
+def autocast_dtype(precision: str):
+    """The torch dtype of the precision's autocast (`vocabulary.Precision.autocast`), None without autocast."""
     import torch
 
-    if precision == "amp-bf16":
-        return torch.autocast(device, dtype=torch.bfloat16)
-    if precision == "amp-fp16":
-        return torch.autocast(device, dtype=torch.float16)
-    return contextlib.nullcontext()
+    return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision_mode(precision).autocast]
+
+
+def autocast(precision: str, device: str):
+    """The autocast modes (amp-bf16, amp-fp16, bf16-autocast): the forward and the loss under bf16 or fp16
+    autocast (backward and optimizer outside)."""
+    import torch
+
+    dtype = autocast_dtype(precision)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device, dtype=dtype)
 
 
 def grad_scaler(precision: str, device: str):
     """amp-fp16's gradient scaler (torch.amp.GradScaler, its defaults); None in the other modes."""
     import torch
 
-    return torch.amp.GradScaler(device) if precision == "amp-fp16" else None
+    return torch.amp.GradScaler(device) if precision_mode(precision).scaler else None

@@ -20,8 +20,10 @@ GIB = 2**30
 @dataclass(frozen=True)
 class Run:
     """The training step being estimated: its shape and settings. The client (`loop`: the standard
-    step; `trainer`: transformers.Trainer) takes its optimizer as `optimizer` (loop: adamw, sgd) or
-    `optim` (trainer: the TrainingArguments name, default adamw_torch_fused), as `pipeline.training.step.Setting`."""
+    step; `trainer`: transformers.Trainer; `sft`: TRL's SFTTrainer) takes its optimizer as `optimizer`
+    (loop: adamw, sgd) or `optim` (trainer, sft: the TrainingArguments name, default adamw_torch_fused),
+    as `pipeline.training.step.Setting`; so are Liger's kernels (`liger_kernel`, trainer and sft) and the
+    share of labelled positions (`completion_share`, sft)."""
 
     batch: int
     seq: int
@@ -40,6 +42,12 @@ class Run:
     # segments back at that edge, as the allocator does after a failed cudaMalloc; None: no edge
     reserve_limit: int | None = None
     variant: str = "standard"  # the loop's: the standard step, or the blog's own loop (vocabulary.VARIANTS)
+    liger_kernel: bool = False  # use_liger_kernel=True (trainer, sft)
+    completion_share: float = 1.0  # positions with a label (sft's completion_only_loss on prompt-completion data)
+    # the process's first training step (a user's script): cuBLAS's workspaces made at their first use, in the
+    # middle of the step (exact only: the loop and Trainer clients; several GPUs run a later step); False: an
+    # earlier step of the same process made them (a sweep's points after its first)
+    fresh_process: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "batch", check_positive_int("batch", self.batch, MAX_BATCH))
@@ -48,15 +56,15 @@ class Run:
             raise UserError(f"batch x seq = {self.batch * self.seq:,} tokens is more than the {MAX_TOKENS:,} this "
                             "project estimates")
         check_choice("precision", self.precision, PRECISIONS)
-        for name in ("checkpointing", "expandable_segments"):
+        for name in ("checkpointing", "expandable_segments", "fresh_process"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         object.__setattr__(self, "gradient_accumulation", check_positive_int(
             "gradient_accumulation", self.gradient_accumulation, MAX_ACCUMULATION))
-        setting = Setting(self.variant, self.optimizer, self.checkpointing, self.client, self.optim,
-                          self.gradient_accumulation)
+        setting = self.setting
         setting.check()
         object.__setattr__(self, "optimizer", setting.optimizer)
         object.__setattr__(self, "optim", setting.optim)
+        object.__setattr__(self, "completion_share", setting.completion_share)
         self.check_sharding()
 
     def check_sharding(self) -> None:
@@ -72,6 +80,12 @@ class Run:
             raise UserError("sharding is estimated for full fine-tuning only, not with LoRA adapters")
 
     @property
+    def setting(self) -> Setting:
+        """The run's `pipeline.training.step.Setting` (what the GPU measurement of it runs)."""
+        return Setting(self.variant, self.optimizer, self.checkpointing, self.client, self.optim,
+                       self.gradient_accumulation, self.adapter, self.liger_kernel, self.completion_share)
+
+    @property
     def optimizer_key(self) -> str:
         """The optimizer as the formulas know it (`pipeline.formulas.components.OPTIMIZER_TERMS`)."""
         return optimizer_key(self.client, self.optimizer, self.optim)
@@ -79,16 +93,21 @@ class Run:
     @classmethod
     def from_row(cls, row, reserve_limit: int | None = None) -> Run:
         """The run of a measured point of a peak table (`training.points`): its client, optimizer,
-        adapter and the attention implementation the estimators tell apart (eager, sdpa; else None)."""
+        adapter, the attention implementation the estimators tell apart (eager, sdpa; else None) and
+        whether it was its process's first (`first_in_process`, `training.points.first_in_process`; a
+        row without that column: a later point)."""
         client = cell(row, "client") or "loop"
         attention = cell(row, "attn_implementation")
+        share = cell(row, "completion_share")
         return cls(int(cell(row, "batch_size")), int(cell(row, "seq_len")), cell(row, "precision"),
                    cell(row, "optimizer") if client == "loop" else None, bool(cell(row, "gradient_checkpointing")),
                    attention if attention in ("eager", "sdpa") else None, client=client,
                    optim=cell(row, "optim") if client != "loop" else None,
                    gradient_accumulation=int(cell(row, "gradient_accumulation") or 1),
                    adapter=AdapterSpec.from_row(row), reserve_limit=reserve_limit,
-                   variant=cell(row, "variant") or "standard")
+                   variant=cell(row, "variant") or "standard", liger_kernel=bool(cell(row, "liger_kernel") or False),
+                   completion_share=1.0 if share is None else float(share),
+                   fresh_process=bool(cell(row, "first_in_process") or False))
 
     def with_batch(self, batch: int) -> Run:
         return replace(self, batch=batch)

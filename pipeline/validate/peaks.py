@@ -138,7 +138,8 @@ class ExactCache:
                bool(row.gradient_checkpointing), attn)
         if key not in self.answers:
             target = Target(int(row.parameters), row.model_id, self.config(row.model_id))
-            self.answers[key] = ExactEstimator().predict(target, Run(*key[1:]))
+            # as simulate-peaks reads the sweep's rows (Run.from_row): points after their process's first
+            self.answers[key] = ExactEstimator().predict(target, Run(*key[1:], fresh_process=False))
         return self.answers[key]
 
 

@@ -1,11 +1,12 @@
-"""Stage: the estimators against the training settings beyond the standard step (the Trainer client,
-amp-fp16, the optimizers), measured on several GPUs.
+"""Stage: the estimators against the training settings beyond the standard step (the Trainer and
+SFTTrainer clients, amp-fp16, bf16-autocast, the optimizers, adapters, Liger), measured on several GPUs.
 
 The measured tables are one per GPU and plan (`SETTINGS_TABLES`: the tuned plan and its held-out
 models, whose rows nobody tunes on); `settings_rows` joins them with their `split`. Every `ok` and
 `oom` row is answered by each estimator with the row's client, optim, accumulation and precision:
 
-- `exact`: the simulator (`pipeline.simulate.simulate`: `trainer_peak` for the Trainer, `loop_peak` for the loop),
+- `exact`: the simulator (`pipeline.simulate.simulate`: `trainer_peak` for the Trainer, `sft_peak` for
+  SFTTrainer, `loop_peak` for the loop),
   run once by `simulate-settings` into a table (results/settings_simulated.parquet) that
   `validate-settings` reads, as the standard step's `simulate-peaks` and `validate` do;
 - `formula`, `heuristic`, `blog`: the closed forms with each optimizer's terms.
@@ -28,10 +29,12 @@ from pipeline.core.vocabulary import SPLITS, check_choice
 from pipeline.estimate.estimators import BlogEstimator, ExactEstimator, FormulaEstimator, HeuristicEstimator
 from pipeline.training.values import Estimate, Run, Target
 from pipeline.core.paths import REPO_ROOT, SETTINGS_SIMULATED, SETTINGS_SUMMARY, SETTINGS_TABLES, SETTINGS_VALIDATION
+from pipeline.training.points import SETTING_DEFAULTS
 from pipeline.validate.peaks import error_summary, predicted_or_reason
 
 SETTING_KEY = ("model_id", "precision", "client", "optim", "optimizer", "gradient_accumulation",
-               "gradient_checkpointing", "batch_size", "seq_len", "lora_r", "lora_alpha", "lora_targets", "quantization")
+               "gradient_checkpointing", "batch_size", "seq_len", "lora_r", "lora_alpha", "lora_targets", "quantization",
+               "liger_kernel", "completion_share", "first_in_process")
 ROW_COLUMNS = (*SETTING_KEY, "model_type", "family", "parameters", "status", "device", "split", "setting")
 
 
@@ -40,10 +43,12 @@ def settings_rows(tables: dict):
     import pandas as pd
 
     from pipeline.core.io import read_table
+    from pipeline.training.points import first_in_process
 
     frames = []
     for path, split in tables.items():
         frame = read_table(path, "training-settings peak")
+        frame = frame.assign(first_in_process=first_in_process(frame))  # before rows are left out: the process's order
         frame = frame[(frame["status"] == "oom") | ((frame["status"] == "ok") & frame["peak_allocated_bytes"].notna())]
         frames.append(frame.assign(split=split))
     rows = pd.concat(frames, ignore_index=True)
@@ -52,15 +57,21 @@ def settings_rows(tables: dict):
     for column in ("lora_r", "lora_alpha", "lora_targets", "quantization"):
         if column not in rows.columns:
             rows[column] = None
+    for column, value in SETTING_DEFAULTS.items():  # tables from before Liger and the completion share
+        rows[column] = rows[column].fillna(value) if column in rows.columns else value
     rows["setting"] = [setting_name(row) for row in rows.itertuples(index=False)]
     return rows
 
 
 def setting_name(row) -> str:
-    """full (fine-tuning), lora or qlora: the validation's groups."""
-    if _text(row.lora_r) == "":
-        return "full"
-    return "qlora" if _text(row.quantization) else "lora"
+    """full (fine-tuning), lora or qlora: the validation's groups; bf16-autocast and Liger's kernels are
+    reported apart (", bf16-autocast", "+liger")."""
+    name = "full" if _text(row.lora_r) == "" else "qlora" if _text(row.quantization) else "lora"
+    if _text(getattr(row, "liger_kernel", False)) == "True":
+        name += "+liger"
+    if getattr(row, "precision", None) == "bf16-autocast":
+        name += ", bf16-autocast"
+    return name
 
 
 def run_of(row) -> Run:
@@ -71,8 +82,9 @@ def run_of(row) -> Run:
 
 def setting_key(row) -> tuple:
     """A measured point on its GPU (the replay of the reserved bytes stops at that GPU's edge)."""
-    get = row.get if isinstance(row, dict) else lambda name: getattr(row, name)
-    return tuple(_text(get(name)) for name in (*SETTING_KEY, "device"))
+    get = row.get if isinstance(row, dict) else lambda name: getattr(row, name, None)
+    return tuple(_text(SETTING_DEFAULTS[name] if name in SETTING_DEFAULTS and _text(get(name)) == "" else get(name))
+                 for name in (*SETTING_KEY, "device"))
 
 
 def _text(value) -> str:

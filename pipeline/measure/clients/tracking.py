@@ -45,6 +45,7 @@ class PhaseTracker:
         self.peaks: dict[str, int] = {}
         self.reserved = None
         self.current = None
+        self.extra: dict = {}  # columns a client learns while it runs (SFTTrainer's trainable parameters)
 
     def start(self, name: str) -> None:
         import torch
@@ -74,4 +75,4 @@ class PhaseTracker:
         return {"peak_allocated_bytes": peak, "peak_reserved_bytes": self.reserved,
                 "forward_peak_bytes": self.peaks.get("forward"),
                 "backward_peak_bytes": self.peaks.get("backward"),
-                "optimizer_peak_bytes": self.peaks.get("optimizer")}
+                "optimizer_peak_bytes": self.peaks.get("optimizer"), **self.extra}

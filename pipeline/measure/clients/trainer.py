@@ -1,9 +1,9 @@
 """client = trainer: transformers.Trainer on the already built model (docs/definitions.md):
 
     TrainingArguments(output_dir=<tmp>, per_device_train_batch_size=B, max_steps=3,
-                      gradient_accumulation_steps=K, bf16=(precision == "amp-bf16"),
-                      fp16=(precision == "amp-fp16"), gradient_checkpointing=..., optim=...,
-                      save_strategy="no", disable_tqdm=True)
+                      gradient_accumulation_steps=K, bf16=(the precision's autocast is bf16: amp-bf16,
+                      bf16-autocast), fp16=(precision == "amp-fp16"), gradient_checkpointing=..., optim=...,
+                      use_liger_kernel=..., save_strategy="no", disable_tqdm=True)
 
 every other argument at its default. The two exceptions change no memory of a step:
 save_strategy="no" (the default, "steps", saves a checkpoint after the last step: weights and
@@ -30,8 +30,9 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from pipeline.measure.clients.tracking import PhaseTracker, optimizer_state_bytes
+from pipeline.training.liger import LigerPatches
 from pipeline.inputs.modeling import vocabulary_size
-from pipeline.training.step import STEPS, Setting, set_training_mode
+from pipeline.training.step import STEPS, Setting, mixed_precision_args, set_training_mode
 
 NEEDS_PACKAGE = {"adamw_bnb_8bit": "bitsandbytes"}
 
@@ -40,6 +41,10 @@ def unavailable(setting: Setting, device: str) -> str | None:
     package = NEEDS_PACKAGE.get(setting.optim)
     if package and importlib.util.find_spec(package) is None:
         return f"optim {setting.optim} needs {package}, which is not installed here"
+    if setting.liger_kernel:
+        from pipeline.training.liger import liger_unavailable
+
+        return liger_unavailable(device)
     return None
 
 
@@ -79,9 +84,9 @@ def training_arguments(setting: Setting, precision: str, batch: int, device: str
     extra = {"use_cpu": True} if device == "cpu" else {}
     return TrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch, max_steps=STEPS,
                              gradient_accumulation_steps=setting.gradient_accumulation,
-                             bf16=precision == "amp-bf16", fp16=precision == "amp-fp16",
+                             **mixed_precision_args(precision),
                              gradient_checkpointing=setting.gradient_checkpointing, optim=setting.optim,
-                             save_strategy="no", disable_tqdm=True, **extra)
+                             use_liger_kernel=setting.liger_kernel, save_strategy="no", disable_tqdm=True, **extra)
 
 
 def random_tokens(model, batch: int, seq: int, setting: Setting) -> RandomTokens:
@@ -98,7 +103,7 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
     times = StepTimes(tracker, device)
     trainer = None
     try:
-        with tempfile.TemporaryDirectory(prefix="avp-trainer-") as output_dir:
+        with tempfile.TemporaryDirectory(prefix="avp-trainer-") as output_dir, LigerPatches(model):
             trainer = Trainer(model=model, args=training_arguments(setting, precision, batch, device, output_dir),
                               train_dataset=random_tokens(model, batch, seq, setting), callbacks=[times])
             tracker.start("setup")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.core.vocabulary import TRAINER_CLIENTS, TRL_CLIENTS, precision_mode
 from pipeline.measure.clients import ONE_POINT_PER_PROCESS
 from pipeline.inputs.records import ModelRecord
 from pipeline.training.step import STEPS
@@ -27,7 +28,7 @@ def point_seconds(record: ModelRecord, point: Point, precision: str, estimate: T
     compute = flops / estimate.flops_per_second[precision]
     floor = (estimate.step_floor_seconds + estimate.layer_step_seconds * record.layers) * setting.gradient_accumulation
     overhead = estimate.point_overhead_seconds
-    if setting.client == "trainer":
+    if setting.client in TRAINER_CLIENTS:
         overhead += estimate.trainer_point_overhead_seconds
     if setting.client in ONE_POINT_PER_PROCESS:
         overhead += estimate.process_overhead_seconds + build_seconds(record, estimate)
@@ -50,21 +51,27 @@ STATE_PER_WEIGHT_BYTE = {"adamw_torch_fused": 2, "adamw_torch": 2, "adafactor": 
 def predicted_peak_bytes(record: ModelRecord, point: Point, precision: str) -> float:
     """A rough peak (for the time estimate only: to foresee ooms and their pruning)."""
     n, tokens = record.plan_parameters, point.batch_size * point.seq_len
-    weight = 2 if precision == "bf16" else 4
-    activation = 4 if precision == "fp32" else 2
+    mode = precision_mode(precision)
+    weight, activation, copies = mode.weight_bytes, mode.activation_bytes, 2 * n if mode.weight_copies else 0
     setting = point.setting
     if setting.client == "loop":
         state = 1 if setting.optimizer == "sgd" else 2
     else:
         state = STATE_PER_WEIGHT_BYTE[setting.optim]
-    static = n * weight * (3 + state) + (2 * n if precision.startswith("amp") else 0)
+    static = n * weight * (3 + state) + copies
     if setting.adapter is not None:  # a frozen base (4-bit: half a byte, the rest upcast to fp32) and its casts
         quantized = setting.adapter.quantization
         embeddings = 2 * record.vocab * record.hidden * 4
-        static = (0.5 * n + embeddings if quantized else n * weight) + (2 * n if precision.startswith("amp") else 0)
+        static = (0.5 * n + embeddings if quantized else n * weight) + copies
+    if setting.client == "dpo" and setting.adapter is None:
+        static += n * weight  # DPOTrainer's reference model: a second copy of the weights
     per_layer = 2 * activation if point.setting.gradient_checkpointing else 34 * activation
-    per_token = record.layers * record.hidden * per_layer + record.vocab * (activation + 8)
-    return static + tokens * per_token
+    # the loss's logits and their fp32 gradients; TRL's fused head scores tiles of 4096 positions instead
+    fused = setting.client in TRL_CLIENTS
+    head = 0 if fused else record.vocab * (activation + 8)
+    per_token = record.layers * record.hidden * per_layer + head
+    sequences = 2 if setting.client == "dpo" else 1  # a preference pair is two sequences
+    return static + sequences * tokens * per_token + (4096 * 32768 * 12 if fused else 0)
 
 
 def job_estimate(job: Job, rows: list[dict], estimate: TimeModel, gpu_memory_bytes: float,

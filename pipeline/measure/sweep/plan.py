@@ -19,7 +19,8 @@ GIB = 2**30
 PLAN_KEYS = {"grid", "max_step_flops", "allow_tf32", "child_timeout_seconds", "gpu_memory_gib", "estimate",
              "models", "precisions", "variants"}
 GROUP_KEYS = {"name", "models", "precisions", "client", "variant", "optimizer", "optim", "gradient_checkpointing",
-              "gradient_accumulation", "attn_implementation", "grid", "points", "max_step_flops", "lora"}
+              "gradient_accumulation", "attn_implementation", "grid", "points", "max_step_flops", "lora",
+              "liger_kernel", "completion_share"}
 LORA_KEYS = {"r", "alpha", "targets", "quantization"}
 
 
@@ -89,7 +90,8 @@ class Grid:
             return cls(data["batch_sizes"], data["seq_lens"])
 
 
-DEFAULT_FLOPS_PER_SECOND = {"fp32": 1.0e14, "bf16": 2.0e14, "amp-bf16": 1.5e14, "amp-fp16": 1.5e14}
+DEFAULT_FLOPS_PER_SECOND = {"fp32": 1.0e14, "bf16": 2.0e14, "amp-bf16": 1.5e14, "amp-fp16": 1.5e14,
+                            "bf16-autocast": 1.8e14}
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,8 @@ class TimeModel:
     step_floor_seconds: float = 0.01  # a step of a tiny model (launch-bound)
     layer_step_seconds: float = 0.0015  # launch-bound cost per layer per step (forward + backward + optimizer)
     point_overhead_seconds: float = 0.08  # empty_cache, allocation, synchronisation, row write
-    # the trainer client's extra per point: TrainingArguments, Trainer, accelerate's prepare, the
-    # data loader, the collection of the Trainer's reference cycles
+    # the Trainer clients' extra per point: TrainingArguments, Trainer, accelerate's prepare, the
+    # data loader, the collection of the Trainer's reference cycles (SFTTrainer: its dataset preparation too)
     trainer_point_overhead_seconds: float = 1.0
     process_overhead_seconds: float = 2.0  # fork, CUDA context, first kernels
     build_seconds_per_billion: float = 0.5  # building random weights on the GPU
@@ -188,7 +190,8 @@ def _group(item, label: str, grid: Grid, plan_precisions, budget: float) -> Grou
                      Setting(item.get("variant", "standard"), item.get("optimizer"),
                              item.get("gradient_checkpointing", False), item.get("client", "loop"),
                              item.get("optim"), item.get("gradient_accumulation", 1),
-                             _adapter(item["lora"]) if "lora" in item else None),
+                             _adapter(item["lora"]) if "lora" in item else None, item.get("liger_kernel", False),
+                             item.get("completion_share", 1.0)),
                      item.get("attn_implementation", "default"), own_grid, item.get("points"),
                      item.get("max_step_flops", budget), "max_step_flops" in item)
 

@@ -119,7 +119,9 @@ def _method_section(tables: dict) -> str:
         "`torch.cuda.max_memory_allocated()` over the three steps, the counter reset after the model "
         "was built. Each model runs in its own process.",
         "- **Precision modes**: `fp32`; `bf16` (bf16 weights, gradients and AdamW state); `amp-bf16` "
-        "(fp32 weights and state, forward under `torch.autocast(\"cuda\", torch.bfloat16)`).",
+        "(fp32 weights and state, forward under `torch.autocast(\"cuda\", torch.bfloat16)`); `amp-fp16` (the "
+        "same under fp16 autocast, with a gradient scaler); `bf16-autocast` (bf16 weights, gradients and state, "
+        "the forward under bf16 autocast: `bf16=True` of the Trainer or SFTTrainer on a model loaded in bf16).",
         "",
         "| subset | device | torch | transformers | CUDA | driver | code commit |",
         "|---|---|---|---|---|---|---|",

@@ -57,8 +57,14 @@ COLUMNS = {
     "bytes_per_token": ("bytes/token", "bytes / tokens"),
     "forward": ("", "where the forward ran: meta (no weights), meta-fallback, or cpu"),
     "seconds": ("s", "wall time of the count"),
-    "precision": ("", "fp32, bf16 (bf16 weights, grads, AdamW state) or amp-bf16 (fp32 weights, bf16 autocast)"),
-    "client": ("", "what runs the steps: loop (the standard step) or trainer (transformers.Trainer, definitions)"),
+    "precision": ("", "fp32, bf16 (bf16 weights, grads, AdamW state), amp-bf16 (fp32 weights, bf16 autocast), "
+                      "amp-fp16 (fp32 weights, fp16 autocast, gradient scaler) or bf16-autocast (bf16 weights, "
+                      "grads and state, bf16 autocast: bf16=True on a model loaded in bf16)"),
+    "client": ("", "what runs the steps: loop (the standard step), trainer (transformers.Trainer) or sft "
+                   "(TRL's SFTTrainer: its fused LM head, checkpointing by default; definitions)"),
+    "liger_kernel": ("", "Liger's kernels (use_liger_kernel=True of the trainer and sft clients; false elsewhere)"),
+    "completion_share": ("fraction", "share of each sequence's positions that carry a label (sft's completion mask; "
+                                     "1.0 elsewhere)"),
     "optim": ("", "the optimizer by its transformers TrainingArguments.optim name (loop SGD with momentum: empty)"),
     "gradient_accumulation": ("count", "micro-batches of B sequences per optimizer step (K)"),
     "lora_r": ("count", "LoRA rank (empty: full fine-tuning)"),

@@ -1,0 +1,89 @@
+"""client = sft: TRL's SFTTrainer on the already built model (docs/definitions.md; its arguments, tokenizer
+and dataset are `pipeline.training.sft`'s): `SFTConfig(per_device_train_batch_size=B, max_length=L,
+max_steps=3, ...)`, TRL's defaults otherwise, on B x K x 3 pre-tokenized rows of random ids (with a
+completion mask when the completion share is below 1); adapters go in as `peft_config`, so SFTTrainer
+wraps the model itself (a point with adapters gets a base of its own, `pipeline.measure.point`).
+
+Phases as the trainer client's (`pipeline.measure.clients.trainer`): a forward pre-hook and hook on the
+model (the PeftModel SFTTrainer made, with adapters) and the optimizer callback. The peak counter is
+reset right before `train()`. Afterwards the model is as it was: SFTTrainer's fused LM head and
+accelerate's autocast wrapper of the forward, checkpointing and Liger's kernels (its rebound module
+globals included) are taken off (`pipeline.training.liger.LigerPatches`).
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+
+from pipeline.measure.clients.tracking import PhaseTracker, optimizer_state_bytes
+from pipeline.measure.clients.trainer import NEEDS_PACKAGE, StepTimes
+from pipeline.training.step import Setting, set_training_mode
+
+
+def unavailable(setting: Setting, device: str) -> str | None:
+    import importlib.util
+
+    from pipeline.training.sft import unavailable as sft_unavailable
+
+    reason = sft_unavailable()
+    if reason:
+        return reason
+    if setting.adapter is not None and importlib.util.find_spec("peft") is None:
+        return "adapters need peft, which is not installed here"
+    if setting.adapter is not None and setting.adapter.quantization and importlib.util.find_spec("bitsandbytes") is None:
+        return f"quantization {setting.adapter.quantization} needs bitsandbytes, which is not installed here"
+    if setting.liger_kernel:
+        from pipeline.training.liger import liger_unavailable
+
+        reason = liger_unavailable(device)
+        if reason:
+            return reason
+    package = NEEDS_PACKAGE.get(setting.optim)
+    if package and importlib.util.find_spec(package) is None:
+        return f"optim {setting.optim} needs {package}, which is not installed here"
+    return None
+
+
+def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, device: str,
+              tracker: PhaseTracker, use_cache: bool):
+    """SFTTrainer.train() for three optimizer steps; returns (seconds per step, optimizer-state bytes)
+    and puts the trained model's trainable parameters in `tracker.extra`."""
+    import datasets
+    from trl import SFTTrainer
+
+    from pipeline.inputs.modeling import vocabulary_size
+    from pipeline.training.adapters import trainable_parameters
+    from pipeline.training.liger import LigerPatches
+    from pipeline.training.sft import dataset_rows, peft_config, random_dataset, sft_arguments, tokenizer
+
+    datasets.disable_progress_bars()
+    set_training_mode(model, Setting())  # checkpointing off: SFTTrainer switches it on when asked
+    times = StepTimes(tracker, device)
+    trainer, hooks = None, []
+    vocab = vocabulary_size(model)
+    extra = {"use_cpu": True} if device == "cpu" else {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="avp-sft-") as output_dir, LigerPatches(model):
+            trainer = SFTTrainer(model=model, args=sft_arguments(setting, precision, batch, seq, output_dir, **extra),
+                                 processing_class=tokenizer(vocab),
+                                 train_dataset=random_dataset(vocab, dataset_rows(setting, batch), seq,
+                                                              setting.completion_share),
+                                 peft_config=peft_config(setting), callbacks=[times])
+            trained = trainer.model
+            hooks = [trained.register_forward_pre_hook(lambda *_: tracker.start("forward")),
+                     trained.register_forward_hook(lambda *_: tracker.start("backward"))]
+            if setting.adapter is not None:
+                tracker.extra["trainable_parameters"] = trainable_parameters(trained)
+            tracker.start("setup")
+            trainer.train()
+            tracker.stop()
+            return times.seconds, optimizer_state_bytes(trainer.optimizer, device)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        if trainer is not None:
+            trainer.accelerator.free_memory()
+        trainer = None
+        set_training_mode(model, Setting())
+        gc.collect()  # the Trainer's reference cycles hold the optimizer and its state

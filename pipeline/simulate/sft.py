@@ -1,0 +1,137 @@
+"""`sft_peak`: the peak memory of `client = sft` (TRL's SFTTrainer, `pipeline.training.sft`; the GPU run
+is `pipeline.measure.clients.sft`) on meta tensors.
+
+The real SFTTrainer is built (`SFTTrainer.__init__`: its dataset preparation with `datasets`, PEFT's
+wrapping through `peft_config`, the bf16 cast of the adapters on a 4-bit base, its collator,
+`add_fused_lm_head`) and its training steps run (`compute_loss`: the fused LM head, the entropy and
+accuracy metrics) in the order `pipeline.simulate.trainer.TrainerRun` runs transformers.Trainer's loop,
+under the same tracker, kernel rules and allocator replay. What differs from a CUDA run, besides the
+Trainer's stand-ins (`pipeline.simulate.trainer`):
+
+- the micro-batches are the prepared dataset's rows through SFTTrainer's own collator (host memory,
+  not counted), then moved to the device with their host values (`pipeline.simulate.shadows`), which
+  answer the fused head's data-dependent shapes (`hidden_states[labels != -100]`) exactly;
+- TRL's fused head and Liger's wrappers take CUDA's code paths, their Triton launches are no-ops
+  (`pipeline.simulate.kernel_paths`);
+- the entropy and accuracy metrics' `.item()` (logged, never used for memory) answer 0.0.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pipeline.core.vocabulary import OPTIMS, check_choice
+from pipeline.simulate.predict import as_config, check_loop, config_key, estimate_of, meta_attention
+from pipeline.simulate.trainer import TrainerRun, check_installed, simulate_run
+from pipeline.training.step import Setting
+from pipeline.training.values import Estimate, Run
+
+
+def sft_peak(config, run: Run) -> Estimate:
+    """SFTTrainer's `train()` for three optimizer steps of `run.gradient_accumulation` micro-batches of
+    `config` on meta tensors (client sft: `run.checkpointing`, `run.optim`, `run.liger_kernel`,
+    `run.completion_share`, `run.adapter` as peft_config on a base in the precision's dtype, or 4-bit),
+    answered as `loop_peak` answers; `trainable_parameters` in details with adapters."""
+    from pipeline.core.errors import UserError
+    from pipeline.training.sft import unavailable
+
+    start = time.perf_counter()
+    if run.client != "sft":
+        raise UserError(f"sft_peak simulates client sft, not {run.client}")
+    check_choice("optim", run.optim, OPTIMS)
+    check_loop(run)
+    reason = unavailable()
+    if reason:
+        raise UserError(f"{reason} (pip install trl==1.16.0)")
+    check_installed(run.optim, run.liger_kernel)
+    config = as_config(config)
+    if run.adapter is not None:
+        from pipeline.simulate.adapters import check_adapter
+
+        check_adapter(run.adapter, "standard")
+    from pipeline.simulate.adapters import fresh_base_model
+    from pipeline.simulate.trainer import trainer_trace
+
+    setting = Setting(client="sft", gradient_checkpointing=run.checkpointing, optim=run.optim,
+                      gradient_accumulation=run.gradient_accumulation, adapter=run.adapter,
+                      liger_kernel=run.liger_kernel, completion_share=run.completion_share)
+
+    def built():
+        model = fresh_base_model(config_key(config), run.precision, meta_attention(run.attn_implementation),
+                                 run.adapter.quantization if run.adapter else None)
+        return meta_sft_trainer(model, setting, run.precision, run.batch, run.seq, "meta")
+
+    trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process)
+    # a process's first point: the base built and SFTTrainer's wrapping of it in the trace (predict.run_model)
+    trainer = trace.record(built) if run.fresh_process else built()
+    result = simulate_run(SFTRun(trainer, run.seq, run.precision, run.checkpointing, "meta"), trace=trace)
+    if run.adapter is not None:
+        from pipeline.training.adapters import trainable_parameters
+
+        result["trainable_parameters"] = trainable_parameters(trainer.model)
+    return estimate_of(result, start)
+
+
+def meta_sft_trainer(model, setting: Setting, precision: str, batch: int, seq: int, device_type: str):
+    """SFTTrainer with `pipeline.training.sft.sft_arguments` (use_cpu=True: the accelerator must not ask
+    for a GPU), the model left where it is, its inputs placed on `device_type`."""
+    import tempfile
+
+    import datasets
+    import torch
+    from trl import SFTConfig, SFTTrainer
+
+    from pipeline.inputs.modeling import vocabulary_size
+    from pipeline.training.sft import dataset_rows, peft_config, random_dataset, sft_arguments, tokenizer
+
+    class MetaSFTConfig(SFTConfig):
+        @property
+        def place_model_on_device(self) -> bool:
+            return False
+
+    class MetaSFTTrainer(SFTTrainer):
+        def _prepare_input(self, data):
+            if isinstance(data, dict):
+                return type(data)({k: self._prepare_input(v) for k, v in data.items()})
+            if isinstance(data, torch.Tensor):
+                return data.to(self.simulated_device)
+            return data
+
+    datasets.disable_progress_bars()  # the dataset's preparation, on stderr
+    vocab = vocabulary_size(model)
+    args = sft_arguments(setting, precision, batch, seq, tempfile.mkdtemp(prefix="avp-simsft-"), MetaSFTConfig,
+                         use_cpu=True)
+    trainer = MetaSFTTrainer(model=model, args=args, processing_class=tokenizer(vocab),
+                             train_dataset=random_dataset(vocab, dataset_rows(setting, batch), seq,
+                                                          setting.completion_share),
+                             peft_config=peft_config(setting))
+    trainer.simulated_device = torch.device(device_type)
+    return trainer
+
+
+class SFTRun(TrainerRun):
+    """`TrainerRun` with an SFTTrainer: the micro-batches are its prepared dataset's rows through its collator."""
+
+    fused_head = True
+    columns = ("input_ids", "labels", "completion_mask")  # of the prepared dataset, those the Trainer keeps
+
+    def __init__(self, trainer, seq_len: int, precision: str, gradient_checkpointing: bool, device_type: str):
+        super().__init__(trainer, seq_len, precision, gradient_checkpointing, device_type)
+        self.row = 0
+
+    def micro_batch(self) -> dict:
+        """The next B rows of the prepared dataset (the columns the Trainer keeps), collated on the host
+        (not counted), then on the device: one counted copy each, with its host values on meta."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from pipeline.simulate.shadows import shadowed
+
+        dataset = self.trainer.train_dataset
+        columns = [c for c in self.columns if c in dataset.column_names]
+        rows = [{c: dataset[i][c] for c in columns} for i in range(self.row, self.row + self.batch_size)]
+        self.row = (self.row + self.batch_size) % len(dataset)
+        with _disable_current_modes():
+            batch = self.trainer.data_collator(rows)
+        return {key: shadowed(value, self.device_type) if hasattr(value, "device") else value
+                for key, value in batch.items()}
+
