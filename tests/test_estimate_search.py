@@ -73,9 +73,9 @@ def counting_simulations(monkeypatch) -> list:
 
 def test_exact_largest_batch_is_the_doubling_searchs_in_fewer_simulations(monkeypatch):
     """pythia-14m on a 3 GiB device at L=128: the headroom search and the doubling search (the closed
-    forms') find the same batch, 17, whose neighbour does not fit; the headroom search asks for fewer
-    simulations (8 against 10)."""
-    from pipeline.estimate.api import for_device, make_run
+    forms') find the same batch, 14, whose neighbour does not fit; the headroom search asks for fewer
+    simulations (5 against 8)."""
+    from pipeline.estimate.api import prepared
     from pipeline.estimate.search import fits
     from pipeline.estimate.verdict import gpu_of
 
@@ -83,29 +83,29 @@ def test_exact_largest_batch_is_the_doubling_searchs_in_fewer_simulations(monkey
     runs = counting_simulations(monkeypatch)
     found = max_batch_size(**question)
     headroom_runs = len(runs)
-    run, _ = make_run(1, 128, "bf16")
     dev = gpu_of(None, 3)
-    estimator, target, run = for_device("exact", None, (SMALL, None, None, None), run, dev)
+    estimator, target, run, _ = prepared(dict(model=SMALL, config=None, params=None, active_params=None),
+                                         dict(batch=1, seq=128, precision="bf16"), "exact", None, dev)
     runs.clear()
     doubling = largest(lambda b: fits(estimator, target, run.with_batch(b), dev), 1 << 15, None, exact_limit=True)
-    assert found == doubling == 17
+    assert found == doubling == 14
     assert headroom_runs < len(runs)
     assert estimate(**question, batch=found)["fits"] and not estimate(**question, batch=found + 1)["fits"]
 
 
 def test_exact_longest_sequence_is_the_doubling_searchs():
-    from pipeline.estimate.api import for_device, make_run
+    from pipeline.estimate.api import prepared
     from pipeline.estimate.search import fits
     from pipeline.estimate.verdict import gpu_of
 
     question = exact_question(batch=2, gpu_memory_gib=2)
     found = max_seq_len(**question)
-    run, _ = make_run(2, 1, "bf16")
     dev = gpu_of(None, 2)
-    estimator, target, run = for_device("exact", None, (SMALL, None, None, None), run, dev)
+    estimator, target, run, _ = prepared(dict(model=SMALL, config=None, params=None, active_params=None),
+                                         dict(batch=2, seq=1, precision="bf16"), "exact", None, dev)
     limit = 512  # pythia-14m's context length
     assert found == largest(lambda s: fits(estimator, target, run.with_seq(s), dev), limit, None, exact_limit=True)
-    assert found == 401
+    assert found == 333
 
 
 def test_a_question_remembers_its_own_simulations_only(monkeypatch):
