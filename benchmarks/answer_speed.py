@@ -8,7 +8,8 @@ given the model) and the exact method. Warm: `python -m pipeline serve` on a fre
 simulator warmed up and each question asked once before the timed asks; then each question asked
 `repeats` times over HTTP: the formula, the model's exact answer at B=4, L=2048 (bf16; the loop, the
 Trainer, LoRA, the Trainer with LoRA), and the largest-batch and longest-sequence searches on the GPU
-(H100 80GB unless --gpu); and, once, the model's first exact question (it builds the model) and an exact
+(H100 80GB unless --gpu); and, once, the model's first exact question (it counts the model's parameters;
+every exact answer builds its model in the trace, as a process's first point) and an exact
 question at a batch not asked before (B=2).
 
 Each row gives the median wall seconds of its repeats and the median CPU seconds of the processes
@@ -137,7 +138,7 @@ def warm_rows(model: str, gpu: str, repeats: int) -> None:
         base = {"model": model, **QUESTION, "gpu": gpu}
         header(f"warm server: {model}, bf16, L=2048, {gpu}, median of {repeats} (each asked once before)")
         cpu, started = tree_cpu(server.pid), time.perf_counter()
-        answer = ask(url, base)  # builds the model: once per server
+        answer = ask(url, base)  # counts the parameters: once per server
         row("exact B=4, the model's first question", [time.perf_counter() - started], [tree_cpu(server.pid) - cpu],
             "", f"peak {answer['peak_bytes'] / 2**30:.2f} GiB")
         cpu, started = tree_cpu(server.pid), time.perf_counter()
@@ -156,7 +157,7 @@ def warm_rows(model: str, gpu: str, repeats: int) -> None:
                      ("exact longest sequence (B=1)", {**base, "batch": 1, "seq": None, "max_seq_len": True}, "")]
         for name, question, target in questions:
             question = {k: v for k, v in question.items() if v is not None}
-            ask(url, question)  # the model's build (and the adapter's) happen here, once per server
+            ask(url, question)  # what a server does once per model (parameter count, configs) happens here
             walls, cpus = [], []
             for _ in range(repeats):
                 cpu, started = tree_cpu(server.pid), time.perf_counter()
