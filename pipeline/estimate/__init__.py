@@ -17,13 +17,15 @@ the exact one by replaying the caching allocator's segments, the closed forms as
 the measured reserved/allocated ratio of the coefficient file. The fit verdict is judged on them:
 reserved + the memory outside PyTorch (`pipeline.formulas.gpus`) <= the device's nvidia-smi total.
 
-`max_batch_size` and `max_seq_len` give the largest batch (or sequence length) that fits a GPU, by
-one search for every estimator (the peak grows with both).
+`max_batch_size` and `max_seq_len` give the largest batch (or sequence length) that fits a GPU (the
+peak grows with both): a doubling search for the closed forms, a headroom-guided one for the
+simulator (`search`); a question's own simulations are remembered for its length (`memo`), so that
+the answer at the value found is not simulated again.
 
 Modules: `values` (Run, Target, Estimate), `estimators` (the classes and `ESTIMATORS`), `targets`
 (what is estimated, from a model id, a config or a parameter count), `verdict` (the fit verdict and
-the device), `search` (the largest batch or sequence that fits), `api` (the public functions),
-`cli` (the `estimate` command). Importing the package imports neither torch nor transformers.
+the device), `search` (the largest batch or sequence that fits), `memo` (one question's simulations),
+`api` (the public functions), `cli` (the `estimate` command). Importing the package imports neither torch nor transformers.
 """
 
 from pipeline.estimate.api import answer, estimate, max_batch_size, max_seq_len, prepare

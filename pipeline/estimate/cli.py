@@ -8,6 +8,7 @@ import json
 from pipeline.formulas.gpus import DEVICES
 from pipeline.core.errors import UserError
 from pipeline.estimate.api import answer, prepared, with_notes
+from pipeline.estimate.memo import one_question
 from pipeline.estimate.search import largest_batch, largest_seq
 from pipeline.training.values import GIB
 from pipeline.estimate.verdict import gpu_of
@@ -101,13 +102,14 @@ def _estimate_command(args) -> int:
     dev = gpu_of(args.gpu, args.gpu_memory)
     estimator, target, run, notes = prepared({k: options[k] for k in ("model", "config", "params", "active_params")},
                                              options, args.method, args.coefficients, dev)
-    if args.max_batch_size:
-        largest_found = largest_batch(estimator, target, run, dev)
-        run = run.with_batch(args.batch or max(largest_found, 1))
-    elif args.max_seq_len:
-        largest_found = largest_seq(estimator, target, run, dev)
-        run = run.with_seq(args.seq or max(largest_found, 1))
-    result = with_notes(answer(estimator, target, run, dev), notes)
+    with one_question():  # the answer at the value found repeats one of the search's simulations
+        if args.max_batch_size:
+            largest_found = largest_batch(estimator, target, run, dev)
+            run = run.with_batch(args.batch or max(largest_found, 1))
+        elif args.max_seq_len:
+            largest_found = largest_seq(estimator, target, run, dev)
+            run = run.with_seq(args.seq or max(largest_found, 1))
+        result = with_notes(answer(estimator, target, run, dev), notes)
     if args.max_batch_size:
         result["max_batch_size"] = largest_found
     elif args.max_seq_len:

@@ -196,7 +196,7 @@ class ExactEstimator(Estimator):
     needs_config = True
 
     def predict(self, target: Target, run: Run) -> Estimate:
-        from pipeline.simulate import simulate
+        from pipeline.estimate.memo import simulated as simulate
 
         simulated = simulate(target.config, run)
         simulator = ("distributed_peak (DDP / FSDP2 with a fake process group of num_gpus ranks)"

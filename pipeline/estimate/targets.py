@@ -56,15 +56,30 @@ def resolve_config(model=None, config=None):
     return str(getattr(config, "_name_or_path", "") or "config"), config
 
 
-def count_parameters(config) -> tuple[int, int]:
-    """(N, parameters active per token) of the model built from its config on the meta device."""
-    from pipeline.inputs.modeling import build_model, parameter_counts
+def count_parameters(config) -> tuple[int, int, object]:
+    """(N, parameters active per token, the config as the build left it) of the model built from its
+    config on the meta device. Counted once per config in a process (the server's questions about one
+    model build it once); later calls get the counts and a copy of the config as that build left it
+    (transformers records the build's dtype on it, and the simulator's model cache keys on the config)."""
+    import copy
 
-    try:
-        counts = parameter_counts(build_model(config, "meta"), config)
-    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is bad input
-        raise UserError(f"config cannot be built: {first_line(exc, 200)}") from None
-    return int(counts["parameters"]), int(counts["active_parameters"])
+    from pipeline.inputs.modeling import build_model, parameter_counts
+    from pipeline.simulate.predict import config_key
+
+    key = config_key(config)
+    if key not in COUNTED:
+        try:
+            counts = parameter_counts(build_model(config, "meta"), config)
+        except Exception as exc:  # noqa: BLE001 - a config transformers cannot build is bad input
+            raise UserError(f"config cannot be built: {first_line(exc, 200)}") from None
+        if len(COUNTED) >= 64:
+            COUNTED.clear()
+        COUNTED[key] = int(counts["parameters"]), int(counts["active_parameters"]), copy.deepcopy(config)
+    n, active, built = COUNTED[key]
+    return n, active, copy.deepcopy(built)
+
+
+COUNTED = {}  # config_key -> (N, active, the config after the build): count_parameters' answers
 
 
 MAX_PARAMETERS = 10**14  # 100 trillion: far beyond any model
@@ -129,6 +144,6 @@ def resolve_target(model=None, config=None, params=None, method="heuristic", act
         raise UserError("active params go with params; a model or config gives its own")
     if ESTIMATORS[method].reads_facts_only:
         return formula_target(model, config)
-    model_id, built = resolve_config(model, config)
-    n, active = count_parameters(built)
+    model_id, config = resolve_config(model, config)
+    n, active, built = count_parameters(config)
     return Target(n, model_id, built, active)

@@ -5,6 +5,8 @@ Every problem is reported as one line naming the entry and the field (UserError)
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -61,14 +63,26 @@ def load_schema() -> dict:
 
 
 def load_registry(path: str | Path = DEFAULT_REGISTRY, check_model_types: bool = True) -> list[ModelEntry]:
-    """Read and validate a registry file; raise UserError with one line on the first problem."""
+    """Read and validate a registry file; raise UserError with one line on the first problem.
+
+    The file is read at every call; what its text parses and validates to is kept for the next call
+    with the same text (a question of the server's names a model: the registry is not parsed again),
+    and each call gets its own copy."""
     path = Path(path)
-    data = read_yaml(read_input_text(path, "registry file not found", "not a readable registry"), str(path))
+    text = read_input_text(path, "registry file not found", "not a readable registry")
+    data, refused = copy.deepcopy(checked_registry(text, str(path), check_model_types))
+    return [_entry(item) for item in data["models"]] + refused
+
+
+@functools.lru_cache(maxsize=2)
+def checked_registry(text: str, label: str, check_model_types: bool) -> tuple[dict, list[ModelEntry]]:
+    """(the registry's data, the entries refused for their size) of a registry file's text, validated."""
+    data = read_yaml(text, label)
     refused = refuse_expanding_entries(data)
     if expanded_values(data, MAX_EXPANDED_VALUES) > MAX_EXPANDED_VALUES:
-        raise UserError(f"{short(str(path), 200, quote=False)}: its aliases expand to more than {MAX_EXPANDED_VALUES:,} values")
-    validate_registry_data(data, str(path), check_model_types=check_model_types)
-    return [_entry(item) for item in data["models"]] + refused
+        raise UserError(f"{short(label, 200, quote=False)}: its aliases expand to more than {MAX_EXPANDED_VALUES:,} values")
+    validate_registry_data(data, label, check_model_types=check_model_types)
+    return data, refused
 
 
 def refuse_expanding_entries(data) -> list[ModelEntry]:

@@ -147,21 +147,23 @@ def answer(q: dict) -> dict:
     (the command's own steps for a search: the largest value found, and the estimate at the given
     batch or sequence, else at the largest found, at least 1)."""
     from pipeline.estimate import estimate, max_batch_size, max_seq_len
+    from pipeline.estimate.memo import one_question
 
     kwargs = dict(q)
     search_batch, search_seq = kwargs.pop("max_batch_size", False), kwargs.pop("max_seq_len", False)
-    if search_batch:
-        batch = kwargs.pop("batch", None)
-        found = max_batch_size(**kwargs)
-        result = estimate(**kwargs, batch=batch or max(found, 1))
-        result["max_batch_size"] = found
-    elif search_seq:
-        seq = kwargs.pop("seq", None)
-        found = max_seq_len(**kwargs)
-        result = estimate(**kwargs, seq=seq or max(found, 1))
-        result["max_seq_len"] = found
-    else:
-        result = estimate(**kwargs)
+    with one_question():  # the answer at the value found repeats one of the search's simulations
+        if search_batch:
+            batch = kwargs.pop("batch", None)
+            found = max_batch_size(**kwargs)
+            result = estimate(**kwargs, batch=batch or max(found, 1))
+            result["max_batch_size"] = found
+        elif search_seq:
+            seq = kwargs.pop("seq", None)
+            found = max_seq_len(**kwargs)
+            result = estimate(**kwargs, seq=seq or max(found, 1))
+            result["max_seq_len"] = found
+        else:
+            result = estimate(**kwargs)
     return result
 
 

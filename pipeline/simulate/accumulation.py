@@ -30,10 +30,12 @@ def accumulation_stand_ins() -> dict:
     """{aten.add.Tensor: fn(func, args, kwargs) -> out} for the tracker's stand-ins."""
     import torch
 
+    from pipeline.simulate.output_cache import SHARED_OUTPUT_CACHE
+
     def add(func, args, kwargs):
         if engine_accumulation(args, kwargs):
             return args[0].add_(args[1])
-        return func(*args, **kwargs)
+        return SHARED_OUTPUT_CACHE.run(func, args, kwargs)  # as the tracker runs an op (meta tensors only)
 
     return {torch.ops.aten.add.Tensor: add}
 

@@ -24,6 +24,7 @@ int8 (LLM.int8, Linear8bitLt) is not simulated yet: a UserError says so.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 
@@ -110,7 +111,6 @@ def packed_weight(module, config):
                       quant_storage=torch.uint8, module=module, bnb_quantized=True)
 
 
-
 def quantization_state(model) -> list:
     """The tensors a quantized base keeps beside its packed weights (bitsandbytes' QuantState:
     absmax per block, the code; Int8Params' row scales), allocated with the weights."""
@@ -125,3 +125,25 @@ def quantization_state(model) -> list:
         if scales is not None:
             tensors.append(scales)
     return tensors
+
+
+def fresh_adapter_model(config_json: str, precision: str, attn_implementation: str | None, adapter,
+                        gradient_checkpointing: bool):
+    """The PeftModel of `cached_adapter_model`, new at every call (`predict.run_model`'s `anew`, outside a
+    trace): the Trainer switches checkpointing and wraps the forward of the model it trains, which a
+    cached model would keep. A deep copy of one that no step has run on (a fifth of a build for a 7B
+    model); a quantized base is built anew (bitsandbytes' 4-bit parameters on the meta device cannot be
+    deep-copied)."""
+    if adapter.quantization:
+        return cached_adapter_model.__wrapped__(config_json, precision, attn_implementation, adapter,
+                                                gradient_checkpointing)
+    return copy.deepcopy(untouched_adapter_model(config_json, precision, attn_implementation, adapter,
+                                                 gradient_checkpointing))
+
+
+@functools.lru_cache(maxsize=2)
+def untouched_adapter_model(config_json: str, precision: str, attn_implementation: str | None, adapter,
+                            gradient_checkpointing: bool):
+    """A PeftModel as `cached_adapter_model` builds it, never trained: what `fresh_adapter_model` copies."""
+    return cached_adapter_model.__wrapped__(config_json, precision, attn_implementation, adapter,
+                                            gradient_checkpointing)

@@ -20,6 +20,7 @@ in pages of 2 MiB (small pool) or 20 MiB (large pool) as the source's `SegmentRa
 
 from __future__ import annotations
 
+import copy
 from bisect import bisect_left, insort
 
 MIN_BLOCK = 512  # kMinBlockSize: every block is a multiple of it
@@ -62,27 +63,33 @@ class CachingAllocator:
         self.next_segment = 0
         self.reserved = 0  # sum of the segments
         self.trace = None  # a list: the malloc/free events are recorded there (see `replay`)
+        self.whole_free = set()  # addresses of free blocks that are a whole segment (what empty_cache gives back)
 
     def malloc(self, nbytes: int) -> tuple[int, int]:
         """Allocate `nbytes` (> 0); returns (address, block size counted as allocated)."""
-        size = round_size(nbytes)
+        size = MIN_BLOCK if nbytes < MIN_BLOCK else -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size
         small = size <= SMALL_SIZE
         pool = self.free_blocks[small]
         index = bisect_left(pool, (size, -1))
         if index < len(pool):
             block_size, address = pool.pop(index)
+            if self.whole_free:
+                self.whole_free.discard(address)
         else:
             address, block_size = self._grow(size, small)
         if self.trace is not None:
             self.trace.append((address, nbytes))
         remaining = block_size - size
+        blocks = self.blocks
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
-            self._place(address, size, small)
-            self._place(address + size, remaining, small)
-            self.blocks[address + size][1] = True
-            insort(pool, (remaining, address + size))
-            block_size = size
-        self.blocks[address][1] = False
+            rest = address + size
+            blocks[address] = [size, False, small]
+            self.ending_at[rest] = address
+            blocks[rest] = [remaining, True, small]
+            self.ending_at[rest + remaining] = rest
+            insort(pool, (remaining, rest))
+            return address, size
+        blocks[address][1] = False
         return address, block_size
 
     def _grow(self, size: int, small: bool) -> tuple[int, int]:
@@ -102,34 +109,45 @@ class CachingAllocator:
         """Free the block at `address` (merging it with free neighbours); returns its counted size."""
         if self.trace is not None:
             self.trace.append((address, None))
-        size, _, small = self.blocks[address]
+        blocks, ending_at = self.blocks, self.ending_at
+        block = blocks[address]
+        size, small = block[0], block[2]
         merged_address, merged_size = address, size
-        following = self.blocks.get(address + size)
+        end = address + size
+        following = blocks.get(end)
         if following is not None and following[1]:
-            self._unlist(address + size)
+            self._unlist(end)
             merged_size += following[0]
-            del self.blocks[address + size], self.ending_at[address + size]
-        previous = self.ending_at.get(address)
-        if previous is not None and self.blocks[previous][1]:
+            del blocks[end], ending_at[end]
+        previous = ending_at.get(address)
+        if previous is not None and blocks[previous][1]:
             self._unlist(previous)
-            merged_address, merged_size = previous, merged_size + self.blocks[previous][0]
-            del self.blocks[address], self.ending_at[address]
-        self._place(merged_address, merged_size, small)
-        self.blocks[merged_address][1] = True
+            merged_address, merged_size = previous, merged_size + blocks[previous][0]
+            del blocks[address], ending_at[address]
+        blocks[merged_address] = [merged_size, True, small]
+        ending_at[merged_address + merged_size] = merged_address
         insort(self.free_blocks[small], (merged_size, merged_address))
+        if self.segments.get(merged_address) == merged_address + merged_size:
+            self.whole_free.add(merged_address)
         return size
 
     def empty_cache(self) -> None:
         """torch.cuda.empty_cache(): give back every segment that is one free block."""
-        for small, pool in self.free_blocks.items():
-            keep = []
-            for size, address in pool:
-                if self.segments.get(address) == address + size:
-                    del self.blocks[address], self.ending_at[address + size], self.segments[address]
-                    self.reserved -= size
-                else:
-                    keep.append((size, address))
-            pool[:] = keep  # in place: a malloc in progress holds this list
+        for address in self.whole_free:
+            size, _, small = self.blocks[address]
+            self._unlist(address)  # in place: a malloc in progress holds the pool's list
+            del self.blocks[address], self.ending_at[address + size], self.segments[address]
+            self.reserved -= size
+        self.whole_free.clear()
+
+    def copy(self) -> CachingAllocator:
+        """An independent copy of the allocator's state (the trace left out)."""
+        twin = copy.copy(self)
+        twin.free_blocks = {small: list(pool) for small, pool in self.free_blocks.items()}
+        twin.blocks = {address: list(block) for address, block in self.blocks.items()}
+        twin.ending_at, twin.segments, twin.whole_free = dict(self.ending_at), dict(self.segments), set(self.whole_free)
+        twin.trace = None
+        return twin
 
     def replay(self, trace: list, addresses: dict | None = None) -> dict:
         """Run recorded events again from the current state: `(address, nbytes)` allocates,
@@ -181,6 +199,11 @@ class ExpandableSegments(CachingAllocator):
     def empty_cache(self) -> None:
         raise NotImplementedError("empty_cache of expandable segments is not replayed")
 
+    def copy(self) -> ExpandableSegments:
+        twin = super().copy()
+        twin.end, twin.start = dict(self.end), dict(self.start)
+        return twin
+
 
 class Fanout:
     """Several allocators fed the same requests (the tracker's reserved replays): an address is the
@@ -190,7 +213,7 @@ class Fanout:
         self.allocators = list(allocators)
 
     def malloc(self, nbytes: int) -> tuple[tuple, None]:
-        return tuple(a.malloc(nbytes)[0] for a in self.allocators), None
+        return tuple([a.malloc(nbytes)[0] for a in self.allocators]), None
 
     def free(self, addresses: tuple) -> None:
         for allocator, address in zip(self.allocators, addresses):
@@ -223,10 +246,7 @@ def later_steps_reserved(allocator: CachingAllocator, forward: list, backward: l
     `ids` and `loss` are the addresses of the step's token ids and loss (alive at the end of a step,
     allocated in `forward`): the previous step's ids are freed once the new ones exist (the first
     request of the forward), its loss once the new forward is done. Works on a copy."""
-    import copy
-
-    allocator = copy.deepcopy(allocator)
-    allocator.trace = None
+    allocator = allocator.copy()
     ids_event, loss_event = ids, loss
     for _ in range(steps):
         addresses = allocator.replay(forward[:1])

@@ -56,9 +56,9 @@ def run_model(config, run: Run, trace, anew: bool = False):
     """The meta model of `run` (with its adapters): for a process's first point (`run.fresh_process`)
     built in `trace` (`Trace.record`: the build's allocations, transient ones too, are the process's
     first, as on a GPU: a tied head's own weight made and dropped, PEFT's adapters made in the base's
-    dtype and cast to fp32); else the one cached per config, precision, attention and adapters, or one
-    built anew outside the trace (`anew`: for a client that changes the model it trains)."""
-    from pipeline.simulate.adapters import cached_adapter_model, check_adapter
+    dtype and cast to fp32); else the one cached per config, precision, attention and adapters, or a new one outside the trace
+    (`anew`: for a client that changes the model it trains; `adapters.fresh_adapter_model`)."""
+    from pipeline.simulate.adapters import cached_adapter_model, check_adapter, fresh_adapter_model
 
     attention = meta_attention(run.attn_implementation)
     if run.adapter is None:
@@ -69,7 +69,7 @@ def run_model(config, run: Run, trace, anew: bool = False):
                                              run.checkpointing)
     if run.fresh_process:
         return trace.record(lambda: build.__wrapped__(*args))
-    return build.__wrapped__(*args) if anew and run.adapter is not None else build(*args)
+    return fresh_adapter_model(*args) if anew and run.adapter is not None else build(*args)
 
 
 def estimate_of(result: dict, start: float) -> Estimate:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -35,12 +37,12 @@ class UniformValues:
     SAME_VALUE = frozenset({"mean", "amax", "amin", "max", "min", "_to_copy", "clone", "copy", "contiguous"})
 
     def __call__(self, func, args, kwargs, out):
-        if not isinstance(out, torch.Tensor) or out.device.type != "meta":
+        if not isinstance(out, torch.Tensor) or not out.is_meta:
             return
         value = self._value(func, args, kwargs, out)
         if value is not None:
             out._simulated_value = _as_python(value, out.dtype)
-        elif func._schema.is_mutable and hasattr(out, "_simulated_value"):
+        elif hasattr(out, "_simulated_value") and func._schema.is_mutable:
             del out._simulated_value  # written in place with values we do not know
 
     def _value(self, func, args, kwargs, out):
@@ -50,9 +52,15 @@ class UniformValues:
         if name in self.FILLED:
             position = self.FILLED[name]
             return kwargs.get("fill_value", args[position] if len(args) > position else None)
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        values = [getattr(t, "_simulated_value", None) for t in tensors]
-        if not tensors or any(v is None for v in values):
+        tensors, values = [], []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                value = getattr(arg, "_simulated_value", None)
+                if value is None:  # most ops: a tensor of unknown values
+                    return {"all": True, "any": False}.get(name)
+                tensors.append(arg)
+                values.append(value)
+        if not tensors:
             return {"all": True, "any": False}.get(name)
         source = tensors[0]
         if name in ("sum", "prod", "all", "any"):
@@ -77,9 +85,11 @@ def _as_python(value, dtype):
     return int(value)
 
 
+@functools.lru_cache(maxsize=1)
 def foreach_stand_ins() -> dict:
     """The optimizers' _foreach_* ops on meta tensors, without the slow per-tensor meta fallback:
-    in-place ones allocate nothing, out-of-place ones one output like each input (as on CUDA)."""
+    in-place ones allocate nothing, out-of-place ones one output like each input (as on CUDA).
+    Built once per process (it reads every op schema); callers copy it into their own table."""
     aten = torch.ops.aten
 
     def in_place(func, args, kwargs):

@@ -65,6 +65,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self.after_outputs = None
         self.untracked_ops = _host_scalar_ops() if device_type == "cpu" else ()
         self.output_cache = SHARED_OUTPUT_CACHE if device_type == "meta" else None
+        self.plans = {}  # id(op) -> (op, its stand-in, host outputs and workspace rule, untracked?): `plan`
         self.entries = {}  # id(storage) -> [weakref, bytes, category, seq, address, reserved address]
         self.parts = dict.fromkeys(CATEGORIES, 0)
         self.live = 0
@@ -73,25 +74,32 @@ class LiveBytesTracker(TorchDispatchMode):
         self.phase = None
         self.peaks = {}  # "total" and each phase name -> Snapshot
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No torch._dynamo wrapper around `__torch_dispatch__` (torch's opt-out for modes): nothing here
+        runs under torch.compile, and the wrapper costs a frame switch on every op."""
+        return False
+
     # -- accounting -------------------------------------------------------------------------
     def track(self, tensor, category: str | None = None) -> None:
         """Count `tensor`'s storage from now until it is freed (no-op if already counted).
 
         Storages that exist before the step (weights) are allocated in the order given, as
         the model's build allocated them."""
-        if tensor.device.type != self.device_type:
+        if not tensor.is_meta if self.device_type == "meta" else tensor.device.type != self.device_type:
             return
         storage = tensor.untyped_storage()
         key = id(storage)
+        nbytes = storage.nbytes()
         entry = self.entries.get(key)
         if entry is not None:
-            self._resized(entry, storage.nbytes())
+            self._resized(entry, nbytes)
             return
-        address, size = self._malloc(storage.nbytes())
+        address, size = self._malloc(nbytes)
         category = category or self.category
         self.seq += 1
         ref = weakref.ref(storage, partial(self._freed, key))
-        self.entries[key] = [ref, size, category, self.seq, address, self._reserve(storage.nbytes())]
+        self.entries[key] = [ref, size, category, self.seq, address, self._reserve(nbytes)]
         self.parts[category] += size
         self.live += size
 
@@ -191,27 +199,38 @@ class LiveBytesTracker(TorchDispatchMode):
         self.note_peak()
 
     # -- dispatch -----------------------------------------------------------------------------
+    def plan(self, func) -> tuple:
+        """What the tables given at construction say about an op, looked up once per op."""
+        plan = self.plans[id(func)] = (func, self.stand_ins.get(func), self.host_outputs.get(func),
+                                       self.workspace_rules.get(func), func in self.untracked_ops)
+        return plan
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self.stand_ins:
-            out = self.stand_ins[func](func, args, kwargs)
+        _, stand_in, host_outputs, rule, untracked = self.plans.get(id(func)) or self.plan(func)
+        if stand_in is not None:
+            out = stand_in(func, args, kwargs)
         elif self.output_cache is not None:
             out = self.output_cache.run(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         if self.observer is not None:
             self.observer(func, args, kwargs, out)
-        if func in self.untracked_ops:
+        if untracked:
             return out
-        outputs = out if isinstance(out, (tuple, list)) else (out,)
-        skip = self.host_outputs[func](args, kwargs) if func in self.host_outputs else ()
-        for index, t in enumerate(outputs):
-            if hasattr(t, "untyped_storage") and index not in skip:
-                self.track(t)
+        skip = host_outputs(args, kwargs) if host_outputs is not None else ()
+        if isinstance(out, (tuple, list)):
+            for index, t in enumerate(out):
+                if hasattr(t, "untyped_storage") and index not in skip:
+                    self.track(t)
+        elif hasattr(out, "untyped_storage") and 0 not in skip:
+            self.track(out)
         if self.after_outputs is not None:
             self.after_outputs(func, args, kwargs)
-        rule = self.workspace_rules.get(func)
-        scratch = rule(args, kwargs, out) if rule else ()
+        if rule is None:
+            self.note_peak()
+            return out
+        scratch = rule(args, kwargs, out)
         extra = sum(allocated_bytes(n) for n in scratch)
         for address in [self._reserve(n) for n in scratch]:
             self._unreserve(address)
