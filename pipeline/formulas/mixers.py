@@ -21,6 +21,14 @@ them (their chunked scans: the gated delta rule in chunks of 64 tokens, Mamba-2'
 - `state`: the recurrent state, heads x key x value elements, kept once per chunk;
 - `chunk_heads`: heads x chunk length: the within-chunk products (decays, attention-like weights); x the
   key width where the decay is per channel (Kimi delta attention).
+
+Beside what it keeps, Mamba-2's reference SSD (transformers' `mamba2_chunk_scan` fallback, the same in
+Nemotron-H, Granite 4 and Falcon-H1; it runs whenever `mamba_ssm` is absent) builds each of its einsums as a
+broadcast product in fp32 and then sums it, one layer at a time (`ssd_transient_bytes`): C x B per chunk
+(chunk x heads x state per token), M x x (chunk x heads x head dim), B x x and C x states (heads x head dim x
+state), and the states' decay across chunks (chunks + 1)^2 x heads x head dim x state per sequence. The forward
+holds one such product; the backward of a product holds both operands' gradients at its full size at once
+(the engine reduces them to the operands' shapes after the node returns), so twice the largest.
 """
 
 from __future__ import annotations
@@ -69,6 +77,8 @@ class Mixer:
     chunk_heads: int
     chunk: int  # tokens per chunk of its scan (0: no scan)
     parameters: int
+    heads: int = 0  # Mamba-2: its heads (B and C repeated to them from their groups)
+    state_width: int = 0  # Mamba-2: the state (B, C) width per head
 
 
 def whole(value, default: int = 0) -> int:
@@ -195,4 +205,22 @@ def _mamba2(config: dict, model_type: str, h: int) -> Mixer:
     parameters = (h * projection + (projection if proj_bias else 0) + conv * kernel + (conv if conv_bias else 0)
                   + 3 * heads + (inner if norm else 0) + inner * h + (h if proj_bias else 0))
     return Mixer("mamba2", projection, conv, kernel, inner, 2 * heads * state, inner * state, heads * chunk, chunk,
-                 parameters)
+                 parameters, heads, state)
+
+
+SSD_BYTES = 4  # the reference SSD's products are fp32 whatever the weights' dtype (it upcasts x, B and C)
+
+
+def ssd_transient_bytes(mixer: Mixer | None, batch: int, seq: int, backward: bool = True) -> float:
+    """Bytes of the largest transient of one Mamba-2 layer's reference SSD (module docstring), beside what the
+    layer keeps: 4 x max(B x padded L x chunk x heads x state, B x padded L x chunk x inner, B x padded L x inner
+    x state, B x (chunks + 1)^2 x inner x state), twice that in the backward (both operands' gradients of the
+    product at its size); padded L = chunks x chunk, chunks = ceil(L / chunk). 0 for any other mixer."""
+    if mixer is None or mixer.kind != "mamba2" or not mixer.chunk or not mixer.heads:
+        return 0.0
+    chunk, inner, state = mixer.chunk, mixer.inner, mixer.state_width
+    chunks = -(-seq // chunk)
+    padded = batch * chunks * chunk
+    largest = max(padded * chunk * mixer.heads * state, padded * chunk * inner, padded * inner * state,
+                  batch * (chunks + 1) ** 2 * inner * state)
+    return float((2 if backward else 1) * SSD_BYTES * largest)

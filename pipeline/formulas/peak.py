@@ -22,6 +22,11 @@ SFTTrainer (`client = sft`) never builds the logits: its backward branch takes t
 bytes without the `vocabulary` term (the logits the loss keeps), plus the fused head's saved bytes,
 and the head's backward (`pipeline.formulas.fused_head`) in place of 8 x T x V.
 
+Mamba-2 hybrids (transformers' reference SSD, `mixers.ssd_transient_bytes`): one Mamba-2 layer's backward
+holds a transient that no saved term has, twice its largest fp32 chunk product (C x B: B x padded L x chunk x
+heads x state). It runs after the loss's gradients are freed, beside the head's weight gradient: the backward
+branch's in-flight part is max(8 x T x V, that transient + V x width x W bytes). Exact bytes, not fitted.
+
 peak = max(optimizer branch, backward branch). The later backward (gradients growing as
 activations are freed) never exceeds the optimizer branch: gradients + what is left < gradients +
 temporaries + ... (checked on the simulator's phase peaks). The fit uses the measured backward
@@ -36,13 +41,16 @@ from pipeline.formulas.components import optimizer_bytes
 from pipeline.formulas.features import (FEATURES, LOSS_BACKWARD_BYTES, PER_LAYER, WORKSPACE_BYTES, attention_kernel,
                                         autocast_fp32_bytes, feature_values, matmul_parameters)
 from pipeline.formulas.fused_head import head_bytes, liger_head_bytes
+from pipeline.formulas.mixers import ssd_transient_bytes
 
 TERMS = list(FEATURES)
 AMP_COPY_BYTES = 2  # bytes per matmul weight: the bf16 copy autocast makes and autograd keeps
 PEAK_FORMULA = ("peak = max(W + G + S + I + workspaces, W + S + workspaces + 8 x T x V + saved); "
                 "saved = T x sum_k c_k x_k(L) [+ 2 x matmul parameters under amp-bf16]; W, G, S, I: weights, "
                 "gradients, optimizer state and the optimizer step's temporaries (bytes, from N); T = B x L; "
-                "V = vocab_size; workspaces = 65 MiB")
+                "V = vocab_size; workspaces = 65 MiB; Mamba-2 hybrids: 8 x T x V -> max(8 x T x V, SSD + head gradient), "
+                "SSD = 2 x 4 x max(Tp x chunk x heads x state, Tp x chunk x inner, Tp x inner x state, "
+                "B x (chunks + 1)^2 x inner x state), Tp = B x chunks x chunk")
 
 
 # amp-fp16 keeps the tensors amp-bf16 keeps, of the same sizes (2-byte autocast copies and
@@ -174,5 +182,9 @@ def closed_form_peak(peak_fits: dict, facts, parameters, batch: int, seq: int, p
             gradient = facts.vocab * (facts.embed_width or facts.hidden) * WEIGHT_BYTES[precision] if head_trainable else 0
             parts["loss_backward"] = max(head["backward"], layer + gradient - head["saved"])
             parts["recompute"] = layer
+    ssd = ssd_transient_bytes(facts.mixer, batch, seq) if facts.mixer_layers else 0.0
+    if ssd:  # a Mamba-2 layer's backward: the loss's gradients freed by then, the head's weight gradient held
+        gradient = facts.vocab * (facts.embed_width or facts.hidden) * WEIGHT_BYTES[precision] if head_trainable else 0
+        parts["loss_backward"] = max(parts["loss_backward"], ssd + gradient - (head["saved"] if fused else 0.0))
     peak, phase = peak_of(parts)
     return {"peak_bytes": peak, "components": parts, "peak_phase": phase, "notes": [note] if note else []}
