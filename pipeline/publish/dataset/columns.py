@@ -60,9 +60,13 @@ COLUMNS = {
     "precision": ("", "fp32, bf16 (bf16 weights, grads, AdamW state), amp-bf16 (fp32 weights, bf16 autocast), "
                       "amp-fp16 (fp32 weights, fp16 autocast, gradient scaler) or bf16-autocast (bf16 weights, "
                       "grads and state, bf16 autocast: bf16=True on a model loaded in bf16)"),
-    "client": ("", "what runs the steps: loop (the standard step), trainer (transformers.Trainer) or sft "
-                   "(TRL's SFTTrainer: its fused LM head, checkpointing by default; definitions)"),
-    "liger_kernel": ("", "Liger's kernels (use_liger_kernel=True of the trainer and sft clients; false elsewhere)"),
+    "client": ("", "what runs the steps: loop (the standard step), trainer (transformers.Trainer), sft "
+                   "(TRL's SFTTrainer: its fused LM head, checkpointing by default) or dpo (TRL's DPOTrainer: B "
+                   "preference pairs, 2B sequences, a reference model; definitions)"),
+    "liger_kernel": ("", "Liger's kernels (use_liger_kernel=True of the trainer, sft and dpo clients; false "
+                         "elsewhere)"),
+    "first_in_process": ("", "the point was its measuring process's first (the model built and cuBLAS's workspaces "
+                             "made inside it: the simulator replays that process's allocation order)"),
     "completion_share": ("fraction", "share of each sequence's positions that carry a label (sft's completion mask; "
                                      "1.0 elsewhere)"),
     "optim": ("", "the optimizer by its transformers TrainingArguments.optim name (loop SGD with momentum: empty)"),
