@@ -36,7 +36,9 @@ def workflow_copy(root: Path, with_peaks: bool = False, with_simulated: bool = F
 
 
 def offline_env(**extra) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", AVP_GIT_COMMIT="test-workflow")
+    # the rules' `python` is this interpreter, as in an activated virtual environment
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = dict(os.environ, PATH=path, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", AVP_GIT_COMMIT="test-workflow")
     env.update(extra)
     return env
 

@@ -53,6 +53,9 @@ def resolve_config(model=None, config=None):
         built = config_from_dict(config, label)  # checks model_type first
         check_shape_facts(config, label)
         return str(config.get("_name_or_path") or label), built
+    if not (hasattr(config, "to_dict") and getattr(config, "model_type", None)):
+        raise UserError(f"config must be a config.json path, its dict or a transformers config, not "
+                        f"{type(config).__name__}")
     return str(getattr(config, "_name_or_path", "") or "config"), config
 
 
