@@ -127,15 +127,18 @@ def test_catalogue():
     assert h200.total_bytes == 143_771 * MIB and h200.driver_reserved_bytes == 615 * MIB
     assert device("H100 80GB").total_bytes / 2**30 == pytest.approx(79.65, abs=0.01)
     assert outside_bytes(h200, "fp32") < outside_bytes(h200, "bf16")
-    with pytest.raises(UserError, match="known: H200, H100 80GB"):
-        device("B200")
+    with pytest.raises(UserError, match="unknown GPU 'H1000'; the closest known: H100 80GB, H800, H200"):
+        device("H1000")
 
 
 def test_cli_gpu_errors(capsys):
     base = ["estimate", "--params", "1.5e9", "--batch", "4", "--seq", "512", "--precision", "bf16"]
-    assert main(base + ["--gpu", "B200"]) == 2
+    assert main(base + ["--gpu", "H1000"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and all(name in err for name in DEVICES)
+    assert len(err.splitlines()) == 1 and "the closest known: H100 80GB" in err and "estimate --help" in err
+    assert main(["estimate", "--help"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert [name for name in DEVICES if name not in shown] == []
     assert main(base + ["--gpu-memory", "-3"]) == 2
     assert main(base + ["--max-seq-len"]) == 2
     assert "needs --gpu" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import math
 import numbers
 from dataclasses import replace
 
-from pipeline.formulas.gpus import DEVICES, Device, Verdict, custom_device, device, outside_bytes
+from pipeline.formulas.gpus import Device, Verdict, custom_device, device, outside_bytes
 from pipeline.core.errors import UserError
 from pipeline.core.text import short
 from pipeline.training.values import GIB, Estimate, Run
@@ -31,7 +31,8 @@ def gpu_of(gpu=None, gpu_memory_gib=None) -> Device | None:
         raise UserError("give one of gpu and gpu_memory_gib, not both")
     if gpu is not None:
         if not isinstance(gpu, str):
-            raise UserError(f"gpu must be a name, one of {', '.join(DEVICES)}; not {gpu!r}")
+            raise UserError(f"gpu must be the name of a GPU of the catalogue (`estimate --help` lists them), "
+                            f"not {short(gpu)}")
         return device(gpu)
     if gpu_memory_gib is not None:
         return custom_device(gpu_memory_bytes(gpu_memory_gib) / GIB)

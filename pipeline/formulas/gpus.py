@@ -13,6 +13,7 @@ the H200 (143,771 - 143,156 MiB) and 455 MiB on the H100 80GB HBM3 (81,559 - 81,
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from pipeline.core.errors import UserError
@@ -50,15 +51,35 @@ class Device:
 # nvidia-smi "Memory-Usage" totals, read off nvidia-smi outputs in public repositories (searched by
 # the figure: several independent outputs for each card agree) unless the source says otherwise.
 DEVICES = {d.name: d for d in (
+    Device("GB200", 189_471, None, "nvidia-smi outputs (NVIDIA GB200; 5 agree)"),
+    Device("B200", 183_359, None, "nvidia-smi outputs (NVIDIA B200; 6 agree, drivers 570-595)"),
     Device("H200", 143_771, 143_156, "nvidia-smi outputs (H200 SXM and NVL); CUDA total: our H200 sweep"),
-    Device("H100 80GB", 81_559, 81_104, "nvidia-smi outputs (H100 80GB HBM3); CUDA total 85,045,870,592 B "
-           "from one public log"),
+    Device("GH200 144GB", 146_831, None, "one nvidia-smi --query-gpu output (GH200 144G HBM3e, both GPUs of "
+           "one host); no second output found"),
+    Device("GH200 96GB", 97_871, None, "nvidia-smi outputs (named GH200 480GB or GH200 120GB after the "
+           "node's memory; 7 agree)"),
+    Device("H20", 97_871, None, "nvidia-smi outputs (NVIDIA H20, 96 GB; 3 agree)"),
+    Device("H100 NVL", 95_830, None, "nvidia-smi outputs (NVIDIA H100 NVL; 7 agree, drivers 535-610)"),
+    Device("H100 80GB", 81_559, 81_104, "nvidia-smi outputs (H100 80GB HBM3; the H100 PCIe shows the same); "
+           "CUDA total 85,045,870,592 B from one public log"),
+    Device("H800", 81_559, None, "nvidia-smi outputs (NVIDIA H800; 3 agree, and one --query-gpu output)"),
     Device("A100 80GB", 81_920, None, "nvidia-smi outputs (A100-SXM4-80GB)"),
+    Device("A800 80GB", 81_920, None, "nvidia-smi outputs (A800-SXM4-80GB; 7 agree)"),
     Device("A100 40GB", 40_960, None, "nvidia-smi outputs (A100-SXM4-40GB and A100-PCIE-40GB)"),
+    Device("RTX PRO 6000", 97_887, None, "nvidia-smi outputs (RTX PRO 6000 Blackwell: Workstation, Max-Q "
+           "and Server Edition; 6 agree)"),
     Device("L40S", 46_068, None, "nvidia-smi outputs (L40S; the L40 and A40 show the same)"),
+    Device("RTX 6000 Ada", 49_140, None, "nvidia-smi outputs with ECC off (9 agree); one with ECC on shows "
+           "46,068 MiB"),
+    Device("RTX A6000", 49_140, None, "nvidia-smi outputs with ECC off (8 agree)"),
+    Device("RTX 5090", 32_607, None, "nvidia-smi outputs (GeForce RTX 5090; 8 agree, drivers 595-616)"),
     Device("RTX 4090", 24_564, None, "nvidia-smi outputs (GeForce RTX 4090)"),
     Device("RTX 3090", 24_576, None, "nvidia-smi outputs with driver 525 and later; older drivers show "
            "24,234-24,268 MiB"),
+    Device("RTX 5080", 16_303, None, "nvidia-smi outputs (GeForce RTX 5080; 8 agree)"),
+    Device("RTX 4080 SUPER", 16_376, None, "nvidia-smi --query-gpu outputs (GeForce RTX 4080 SUPER; 5 agree)"),
+    Device("RTX 4080", 16_376, None, "nvidia-smi outputs (GeForce RTX 4080; 4 agree, one older output "
+           "shows 16,384 MiB)"),
     Device("A10G", 23_028, None, "nvidia-smi outputs (A10G; the A10 shows the same)"),
     Device("L4", 23_034, None, "nvidia-smi outputs (L4)"),
     Device("V100 16GB", 16_160, None, "nvidia-smi outputs (V100-SXM2 and V100-PCIE 16GB)"),
@@ -74,7 +95,11 @@ def device(name: str) -> Device:
     for known in DEVICES.values():
         if _normal(known.name) == wanted:
             return known
-    raise UserError(f"unknown GPU {name!r}; known: {', '.join(DEVICES)} (or give --gpu-memory GIB)")
+    by_normal = {_normal(known.name): known.name for known in DEVICES.values()}
+    close = [by_normal[n] for n in difflib.get_close_matches(wanted, by_normal, n=3, cutoff=0.6)]
+    hint = f"the closest known: {', '.join(close)}" if close else f"{len(DEVICES)} are known"
+    raise UserError(f"unknown GPU {short(name)}; {hint} (`estimate --help` lists them all; or give "
+                    "--gpu-memory GIB)")
 
 
 def custom_device(total_gib: float) -> Device:
