@@ -23,7 +23,8 @@ FLAGS = {"batch": "--batch", "seq": "--seq", "precision": "--precision", "client
          "lora_targets": "--lora-targets", "quantization": "--quantization", "num_gpus": "--num-gpus",
          "sharding": "--sharding", "gpu": "--gpu", "gpu_memory_gib": "--gpu-memory",
          "expandable_segments": "--expandable-segments", "method": "--method", "max_batch_size": "--max-batch-size",
-         "max_seq_len": "--max-seq-len", "attn_implementation": "--attn-implementation"}
+         "max_seq_len": "--max-seq-len", "attn_implementation": "--attn-implementation",
+         "liger_kernel": "--liger-kernel"}
 
 # A small llama of the pasted-config tests: quick to simulate, and named (the answer's model_id).
 TINY_CONFIG = {"_name_or_path": "tests/tiny-llama", "model_type": "llama", "vocab_size": 1024, "hidden_size": 128,

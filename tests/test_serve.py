@@ -106,6 +106,10 @@ BAD = [
     ({"model": "nobody/not-a-model", "batch": 1, "seq": 128, "precision": "bf16", "method": "exact"}, "registry"),
     ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "method": "formula",
       "gpu_memory_gib": 1e9}, "limit"),
+    ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "method": "formula",
+      "sft_config": "/etc/passwd"}, "reads no paths"),
+    ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "client": "sft", "method": "formula",
+      "liger_kernel": "yes"}, "liger_kernel must be true or false"),
     ([1, 2, 3], "JSON object"),
 ]
 

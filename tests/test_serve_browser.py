@@ -83,12 +83,15 @@ def page(server):
 
 def cli_text(question: dict, method: str) -> str:
     """The page's "copy as CLI command" for the question (the flags in the page's order)."""
-    flags = [("batch", "--batch"), ("seq", "--seq"), ("precision", "--precision"), ("lora_r", "--lora-r"),
-             ("quantization", "--quantization"), ("gpu", "--gpu")]
+    flags = [("batch", "--batch"), ("seq", "--seq"), ("precision", "--precision"), ("client", "--client"),
+             ("optim", "--optim"), ("checkpointing", "--checkpointing"), ("lora_r", "--lora-r"),
+             ("quantization", "--quantization"), ("gpu", "--gpu"), ("liger_kernel", "--liger-kernel")]
     source = f"--model {question['model']}" if "model" in question else "--config config.json"
     parts = ["python -m pipeline estimate", source]
     for key, flag in flags:
-        if key in question:
+        if question.get(key) is True:
+            parts.append(flag)
+        elif key in question:
             value = str(question[key])
             parts.append(f"{flag} {value if ' ' not in value else repr(value)}")
     return " ".join([*parts, f"--method {method}", "--json"])
@@ -219,6 +222,32 @@ def test_a_pasted_config_and_the_largest_batch(page, server):
     assert page.inner_text("#mbs-exact").startswith(str(searched["max_batch_size"]))
     status, formula, _ = ask(server, {**PASTED, "method": "formula", "max_batch_size": True})
     assert page.inner_text("#mbs-formula") == str(formula["max_batch_size"])
+    assert page.errors == []
+
+
+def test_sfttrainer_with_liger_is_asked_as_the_command_asks_it(page, server):
+    """Client sft on the page: TRL's default checkpointing ticked by choosing it, Liger's box, bf16-autocast."""
+    question = {"model": "Qwen/Qwen2.5-0.5B", "batch": 4, "seq": 1024, "precision": "bf16-autocast",
+                "client": "sft", "optim": "adamw_torch_fused", "checkpointing": True, "gpu": "L4",
+                "liger_kernel": True}
+    page.goto(server)
+    wait_for_models(page)
+    page.check("input[name=source][value=model]")
+    page.fill("#model", question["model"])
+    page.fill("#batch", str(question["batch"]))
+    page.fill("#seq", str(question["seq"]))
+    page.select_option("#adapters", "none")
+    page.select_option("#precision", question["precision"])
+    page.select_option("#client", "sft")
+    assert page.is_checked("#checkpointing")  # SFTTrainer's default
+    page.check("#liger_kernel")
+    page.select_option("#gpu", question["gpu"])
+    s = wait_for_answer(page, question, "exact", 120)
+    page.wait_for_timeout(300)
+    screenshot(page, "07-sft-liger-exact.png")
+    expected = cli_json({**question, "method": "exact"})
+    assert expected["client"] == "sft" and expected["liger_kernel"] is True
+    check_numbers(s, expected, "the L4")
     assert page.errors == []
 
 

@@ -3,7 +3,7 @@
 which is what `python -m pipeline estimate ... --json` prints for the same options.
 
 What the server refuses that the command line allows (one `UserError` line each, HTTP 400): a path
-where the library takes a path or a dict (`config`, `training_args`, `peft_config`: the server reads
+where the library takes a path or a dict (`config`, `training_args`, `peft_config`, `sft_config`: the server reads
 no file of its host, it takes their JSON objects), another coefficient file, an attention
 implementation other than the library's default, sdpa or eager (a named kernel may be fetched
 from the Hub), and questions beyond `LIMITS`.
@@ -33,9 +33,9 @@ SEARCHES = ("max_batch_size", "max_seq_len")
 # Fields the server will not take from a request, and why.
 REFUSED = {"coefficients": "the server answers with its own coefficient file"}
 # Fields that are JSON objects (the library also takes a path: the server does not).
-OBJECTS = ("config", "training_args", "peft_config")
+OBJECTS = ("config", "training_args", "peft_config", "sft_config")
 INTEGERS = ("batch", "seq", "num_gpus", "gradient_accumulation", "lora_r", "lora_alpha")
-BOOLEANS = ("checkpointing", "expandable_segments", *SEARCHES)
+BOOLEANS = ("checkpointing", "expandable_segments", "liger_kernel", *SEARCHES)
 NUMBERS = ("gpu_memory_gib",)
 ATTENTION = (None, "sdpa", "eager")  # the library's default, or one of torch's own kernels
 

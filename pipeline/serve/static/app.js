@@ -31,7 +31,10 @@ const FLAGS = [["batch", "--batch"], ["seq", "--seq"], ["precision", "--precisio
   ["checkpointing", "--checkpointing"], ["lora_r", "--lora-r"], ["lora_alpha", "--lora-alpha"],
   ["lora_targets", "--lora-targets"], ["quantization", "--quantization"], ["num_gpus", "--num-gpus"],
   ["sharding", "--sharding"], ["gpu", "--gpu"], ["gpu_memory_gib", "--gpu-memory"],
-  ["expandable_segments", "--expandable-segments"]];
+  ["expandable_segments", "--expandable-segments"], ["liger_kernel", "--liger-kernel"]];
+// The clients that run a Trainer (its optim, accumulation and Liger), and TRL's, which checkpoint by default.
+const TRAINER_CLIENTS = ["trainer", "sft", "dpo"];
+const TRL_CLIENTS = ["sft", "dpo"];
 const NUMBER_FIELDS = ["batch", "seq", "gradient_accumulation", "lora_r", "lora_alpha", "num_gpus", "gpu_memory_gib"];
 
 // Which field a server message is about: the first rule whose words it holds.
@@ -134,15 +137,17 @@ function question() {
   }
   q.precision = $("precision").value;
   const client = $("client").value;
-  if (client === "trainer") {
-    q.client = "trainer";
+  if (client !== "loop") q.client = client;
+  if (TRAINER_CLIENTS.includes(client)) {
     q.optim = $("optim").value;
     const k = numberOrText("gradient_accumulation");
     if (k !== undefined && k !== 1) q.gradient_accumulation = k;
+    if ($("liger_kernel").checked) q.liger_kernel = true;
   } else if ($("optimizer").value !== "adamw") {
     q.optimizer = $("optimizer").value;
   }
-  if ($("checkpointing").checked) q.checkpointing = true;
+  if (TRL_CLIENTS.includes(client)) q.checkpointing = $("checkpointing").checked;  // on unless told otherwise
+  else if ($("checkpointing").checked) q.checkpointing = true;
   const adapters = $("adapters").value;
   if (adapters !== "none") {
     const r = numberOrText("lora_r");
@@ -187,7 +192,8 @@ function setForm(q) {
   $("optimizer").value = q.optimizer || "adamw";
   $("optim").value = q.optim || "adamw_torch_fused";
   $("gradient_accumulation").value = q.gradient_accumulation ?? 1;
-  $("checkpointing").checked = !!q.checkpointing;
+  $("checkpointing").checked = q.checkpointing ?? TRL_CLIENTS.includes(q.client);
+  $("liger_kernel").checked = !!q.liger_kernel;
   $("adapters").value = q.quantization ? "qlora" : q.lora_r ? "lora" : "none";
   $("lora_r").value = q.lora_r ?? 16;
   $("lora_alpha").value = q.lora_alpha ?? "";
@@ -209,10 +215,11 @@ function showBoxes() {
   const source = document.querySelector("input[name=source]:checked").value;
   $("model-box").hidden = source !== "model";
   $("config-box").hidden = source !== "config";
-  const trainer = $("client").value === "trainer";
+  const trainer = TRAINER_CLIENTS.includes($("client").value);
   $("optimizer-box").hidden = trainer;
   $("optim-box").hidden = !trainer;
   $("accumulation-box").hidden = !trainer;
+  $("liger-box").hidden = !trainer;
   const adapters = $("adapters").value;
   for (const node of document.querySelectorAll(".lora-only")) node.hidden = adapters === "none";
   $("quantization").disabled = adapters !== "qlora";
@@ -670,6 +677,7 @@ function renderCopies(a) {
 function cliCommand(q, method) {
   const parts = ["python -m pipeline estimate", q.model ? `--model ${sh(q.model)}` : "--config config.json"];
   for (const [key, flag] of FLAGS) {
+    if (key === "checkpointing" && q[key] === false && TRL_CLIENTS.includes(q.client)) parts.push("--no-checkpointing");
     if (q[key] === undefined || q[key] === false) continue;
     parts.push(q[key] === true ? flag : `${flag} ${sh(String(q[key]))}`);
   }
@@ -714,7 +722,8 @@ async function start() {
   Object.assign(state, {info, gpus, models, accuracy});
   state.byId = new Map(models.map((m) => [m.id, m]));
   fillSelect("precision", info.precisions);
-  fillSelect("client", info.clients, {loop: "loop (standard step)", trainer: "trainer (HF Trainer)"});
+  fillSelect("client", info.clients, {loop: "loop (standard step)", trainer: "trainer (HF Trainer)",
+    sft: "sft (TRL SFTTrainer)", dpo: "dpo (TRL DPOTrainer: batch = pairs)"});
   fillSelect("optimizer", info.optimizers);
   fillSelect("optim", info.optims);
   fillSelect("quantization", info.quantizations);
@@ -743,6 +752,8 @@ async function start() {
   $("mbs-run").addEventListener("click", () => runSearch("mbs"));
   $("msl-run").addEventListener("click", () => runSearch("msl"));
   $("copy-cli").addEventListener("click", (e) => copy("cli", e.target));
+  // TRL's trainers checkpoint by default: choosing one ticks the box (before the form's own listener asks)
+  $("client").addEventListener("change", () => { if (TRL_CLIENTS.includes($("client").value)) $("checkpointing").checked = true; });
   $("copy-python").addEventListener("click", (e) => copy("python", e.target));
   changed();
 }
