@@ -24,12 +24,8 @@ besides the SFTTrainer simulator's stand-ins:
 from __future__ import annotations
 
 import contextlib
-import time
 
-from pipeline.core.vocabulary import OPTIMS, check_choice
-from pipeline.simulate.predict import as_config, check_loop, config_key, estimate_of, meta_attention
-from pipeline.simulate.sft import SFTRun
-from pipeline.simulate.trainer import check_installed, simulate_run
+from pipeline.simulate.sft import SFTRun, trl_peak
 from pipeline.training.step import Setting
 from pipeline.training.values import Estimate, Run
 
@@ -40,42 +36,13 @@ def dpo_peak(config, run: Run) -> Estimate:
     `run.checkpointing`, `run.optim`, `run.liger_kernel`, `run.completion_share`, `run.adapter` as
     peft_config on a base in the precision's dtype, or 4-bit; without adapters a reference model beside
     the policy), answered as `loop_peak` answers; `trainable_parameters` in details with adapters."""
-    from pipeline.core.errors import UserError
-    from pipeline.simulate.adapters import check_adapter, fresh_base_model
-    from pipeline.simulate.trainer import trainer_trace
     from pipeline.training.dpo import reference_model, unavailable
 
-    start = time.perf_counter()
-    if run.client != "dpo":
-        raise UserError(f"dpo_peak simulates client dpo, not {run.client}")
-    check_choice("optim", run.optim, OPTIMS)
-    check_loop(run)
-    reason = unavailable()
-    if reason:
-        raise UserError(f"{reason} (pip install trl==1.16.0)")
-    check_installed(run.optim, run.liger_kernel)
-    config = as_config(config)
-    if run.adapter is not None:
-        check_adapter(run.adapter, "standard")
-    setting = Setting(client="dpo", gradient_checkpointing=run.checkpointing, optim=run.optim,
-                      gradient_accumulation=run.gradient_accumulation, adapter=run.adapter,
-                      liger_kernel=run.liger_kernel, completion_share=run.completion_share)
-    trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process)
-
-    def built():
-        model = fresh_base_model(config_key(config), run.precision, meta_attention(run.attn_implementation),
-                                 run.adapter.quantization if run.adapter else None)
+    def make_trainer(model, setting, trace):
         reference = reference_model(model, setting, "meta")
         return meta_dpo_trainer(model, reference, setting, run.precision, run.batch, run.seq, "meta", trace.rules)
 
-    # a process's first point: the policy, the reference and DPOTrainer's wrapping built in the trace
-    trainer = trace.record(built) if run.fresh_process else built()
-    result = simulate_run(DPORun(trainer, run.seq, run.precision, run.checkpointing, "meta"), trace=trace)
-    if run.adapter is not None:
-        from pipeline.training.adapters import trainable_parameters
-
-        result["trainable_parameters"] = trainable_parameters(trainer.model)
-    return estimate_of(result, start)
+    return trl_peak(config, run, "dpo", unavailable, DPORun, make_trainer)
 
 
 def meta_dpo_trainer(model, reference, setting: Setting, precision: str, batch: int, seq: int, device_type: str,

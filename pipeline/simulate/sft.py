@@ -32,12 +32,24 @@ def sft_peak(config, run: Run) -> Estimate:
     `config` on meta tensors (client sft: `run.checkpointing`, `run.optim`, `run.liger_kernel`,
     `run.completion_share`, `run.adapter` as peft_config on a base in the precision's dtype, or 4-bit),
     answered as `loop_peak` answers; `trainable_parameters` in details with adapters."""
-    from pipeline.core.errors import UserError
     from pipeline.training.sft import unavailable
 
+    return trl_peak(config, run, "sft", unavailable, SFTRun, lambda model, setting, trace: meta_sft_trainer(
+        model, setting, run.precision, run.batch, run.seq, "meta"))
+
+
+def trl_peak(config, run: Run, client: str, unavailable, step_run, make_trainer) -> Estimate:
+    """The TRL clients' simulation (`sft_peak`, `dpo_peak`): `run` checked (`unavailable()`: why the client
+    cannot run here, or None), the base built in the precision's dtype (4-bit under QLoRA) and handed to
+    `make_trainer(model, setting, trace)`, in the trace for a process's first point (`predict.run_model`),
+    then `step_run(trainer, seq, precision, checkpointing, "meta")` run as the Trainer's loop."""
+    from pipeline.core.errors import UserError
+    from pipeline.simulate.adapters import check_adapter, fresh_base_model
+    from pipeline.simulate.trainer import trainer_trace
+
     start = time.perf_counter()
-    if run.client != "sft":
-        raise UserError(f"sft_peak simulates client sft, not {run.client}")
+    if run.client != client:
+        raise UserError(f"{client}_peak simulates client {client}, not {run.client}")
     check_choice("optim", run.optim, OPTIMS)
     check_loop(run)
     reason = unavailable()
@@ -46,25 +58,19 @@ def sft_peak(config, run: Run) -> Estimate:
     check_installed(run.optim, run.liger_kernel)
     config = as_config(config)
     if run.adapter is not None:
-        from pipeline.simulate.adapters import check_adapter
-
         check_adapter(run.adapter, "standard")
-    from pipeline.simulate.adapters import fresh_base_model
-    from pipeline.simulate.trainer import trainer_trace
-
-    setting = Setting(client="sft", gradient_checkpointing=run.checkpointing, optim=run.optim,
+    setting = Setting(client=client, gradient_checkpointing=run.checkpointing, optim=run.optim,
                       gradient_accumulation=run.gradient_accumulation, adapter=run.adapter,
                       liger_kernel=run.liger_kernel, completion_share=run.completion_share)
+    trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process)
 
     def built():
         model = fresh_base_model(config_key(config), run.precision, meta_attention(run.attn_implementation),
                                  run.adapter.quantization if run.adapter else None)
-        return meta_sft_trainer(model, setting, run.precision, run.batch, run.seq, "meta")
+        return make_trainer(model, setting, trace)
 
-    trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process)
-    # a process's first point: the base built and SFTTrainer's wrapping of it in the trace (predict.run_model)
     trainer = trace.record(built) if run.fresh_process else built()
-    result = simulate_run(SFTRun(trainer, run.seq, run.precision, run.checkpointing, "meta"), trace=trace)
+    result = simulate_run(step_run(trainer, run.seq, run.precision, run.checkpointing, "meta"), trace=trace)
     if run.adapter is not None:
         from pipeline.training.adapters import trainable_parameters
 

@@ -15,13 +15,10 @@ the reference model is gone.
 
 from __future__ import annotations
 
-import gc
-import tempfile
-
+from pipeline.measure.clients.sft import train_trl
 from pipeline.measure.clients.sft import unavailable as sft_unavailable
-from pipeline.measure.clients.tracking import PhaseTracker, optimizer_state_bytes
-from pipeline.measure.clients.trainer import StepTimes
-from pipeline.training.step import Setting, set_training_mode
+from pipeline.measure.clients.tracking import PhaseTracker
+from pipeline.training.step import Setting
 
 
 def unavailable(setting: Setting, device: str) -> str | None:
@@ -36,44 +33,20 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
               tracker: PhaseTracker, use_cache: bool):
     """DPOTrainer.train() for three optimizer steps; returns (seconds per step, optimizer-state bytes)
     and puts the trained model's trainable parameters in `tracker.extra`."""
-    import datasets
     from trl import DPOTrainer
 
     from pipeline.inputs.modeling import vocabulary_size
-    from pipeline.training.adapters import trainable_parameters
     from pipeline.training.dpo import dataset_pairs, dpo_arguments, preference_dataset, reference_model
-    from pipeline.training.liger import LigerPatches
     from pipeline.training.sft import peft_config, tokenizer
 
-    datasets.disable_progress_bars()
-    set_training_mode(model, Setting())  # checkpointing off: DPOTrainer switches it on when asked
-    times = StepTimes(tracker, device)
-    trainer, reference, hooks = None, None, []
     vocab = vocabulary_size(model)
-    extra = {"use_cpu": True} if device == "cpu" else {}
-    try:
-        with tempfile.TemporaryDirectory(prefix="avp-dpo-") as output_dir, LigerPatches(model):
-            reference = reference_model(model, setting, device)
-            trainer = DPOTrainer(model=model, ref_model=reference,
-                                 args=dpo_arguments(setting, precision, batch, seq, output_dir, **extra),
-                                 processing_class=tokenizer(vocab),
-                                 train_dataset=preference_dataset(vocab, dataset_pairs(setting, batch), seq,
-                                                                  setting.completion_share),
-                                 peft_config=peft_config(setting), callbacks=[times])
-            trained = trainer.model
-            hooks = [trained.register_forward_pre_hook(lambda *_: tracker.start("forward")),
-                     trained.register_forward_hook(lambda *_: tracker.start("backward"))]
-            if setting.adapter is not None:
-                tracker.extra["trainable_parameters"] = trainable_parameters(trained)
-            tracker.start("setup")
-            trainer.train()
-            tracker.stop()
-            return times.seconds, optimizer_state_bytes(trainer.optimizer, device)
-    finally:
-        for hook in hooks:
-            hook.remove()
-        if trainer is not None:
-            trainer.accelerator.free_memory()
-        trainer = reference = None
-        set_training_mode(model, Setting())
-        gc.collect()  # the Trainer's reference cycles hold the optimizer, its state and the reference model
+
+    def make_trainer(output_dir, times, extra):
+        return DPOTrainer(model=model, ref_model=reference_model(model, setting, device),
+                          args=dpo_arguments(setting, precision, batch, seq, output_dir, **extra),
+                          processing_class=tokenizer(vocab),
+                          train_dataset=preference_dataset(vocab, dataset_pairs(setting, batch), seq,
+                                                           setting.completion_share),
+                          peft_config=peft_config(setting), callbacks=[times])
+
+    return train_trl(model, setting, device, tracker, make_trainer, "avp-dpo-")

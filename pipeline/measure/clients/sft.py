@@ -49,27 +49,41 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
               tracker: PhaseTracker, use_cache: bool):
     """SFTTrainer.train() for three optimizer steps; returns (seconds per step, optimizer-state bytes)
     and puts the trained model's trainable parameters in `tracker.extra`."""
-    import datasets
     from trl import SFTTrainer
 
     from pipeline.inputs.modeling import vocabulary_size
-    from pipeline.training.adapters import trainable_parameters
-    from pipeline.training.liger import LigerPatches
     from pipeline.training.sft import dataset_rows, peft_config, random_dataset, sft_arguments, tokenizer
 
+    vocab = vocabulary_size(model)
+
+    def make_trainer(output_dir, times, extra):
+        return SFTTrainer(model=model, args=sft_arguments(setting, precision, batch, seq, output_dir, **extra),
+                          processing_class=tokenizer(vocab),
+                          train_dataset=random_dataset(vocab, dataset_rows(setting, batch), seq,
+                                                       setting.completion_share),
+                          peft_config=peft_config(setting), callbacks=[times])
+
+    return train_trl(model, setting, device, tracker, make_trainer, "avp-sft-")
+
+
+def train_trl(model, setting: Setting, device: str, tracker: PhaseTracker, make_trainer, prefix: str):
+    """A TRL trainer's train() (the sft and dpo clients): `make_trainer(output_dir, times, extra)` builds it
+    on `model` (`extra`: use_cpu on a CPU), under Liger's patches when asked; phases from hooks on the model
+    it trains; returns (seconds per step, optimizer-state bytes) and puts the trained model's trainable
+    parameters in `tracker.extra`. Afterwards the model is as it was."""
+    import datasets
+
+    from pipeline.training.adapters import trainable_parameters
+    from pipeline.training.liger import LigerPatches
+
     datasets.disable_progress_bars()
-    set_training_mode(model, Setting())  # checkpointing off: SFTTrainer switches it on when asked
+    set_training_mode(model, Setting())  # checkpointing off: the TRL trainer switches it on when asked
     times = StepTimes(tracker, device)
     trainer, hooks = None, []
-    vocab = vocabulary_size(model)
     extra = {"use_cpu": True} if device == "cpu" else {}
     try:
-        with tempfile.TemporaryDirectory(prefix="avp-sft-") as output_dir, LigerPatches(model):
-            trainer = SFTTrainer(model=model, args=sft_arguments(setting, precision, batch, seq, output_dir, **extra),
-                                 processing_class=tokenizer(vocab),
-                                 train_dataset=random_dataset(vocab, dataset_rows(setting, batch), seq,
-                                                              setting.completion_share),
-                                 peft_config=peft_config(setting), callbacks=[times])
+        with tempfile.TemporaryDirectory(prefix=prefix) as output_dir, LigerPatches(model):
+            trainer = make_trainer(output_dir, times, extra)
             trained = trainer.model
             hooks = [trained.register_forward_pre_hook(lambda *_: tracker.start("forward")),
                      trained.register_forward_hook(lambda *_: tracker.start("backward"))]
@@ -86,4 +100,4 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
             trainer.accelerator.free_memory()
         trainer = None
         set_training_mode(model, Setting())
-        gc.collect()  # the Trainer's reference cycles hold the optimizer and its state
+        gc.collect()  # the Trainer's reference cycles hold the optimizer, its state (and DPO's reference model)
