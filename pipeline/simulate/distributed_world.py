@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 
 from pipeline.core.errors import UserError
+from pipeline.core.patches import attributes_set
 
 
 @contextlib.contextmanager
@@ -59,11 +60,5 @@ def meta_fsdp():
     patches = [(module, "_get_device_handle", device_handle) for module in (collectives, param_group, state)]
     patches.append((fully_shard_module, "_get_device_from_mesh", lambda mesh: torch.device("meta")))
     patches.append((param_group.FSDPParamGroup, "_validate_no_meta_params", lambda self: None))
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
-    try:
+    with attributes_set(patches):
         yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)

@@ -34,6 +34,8 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
+from pipeline.core.patches import attributes_set
+
 # CUDA autocast op lists, by the Python name that reaches a TorchFunctionMode (aten name, or the
 # Tensor dunder / torch.nn.functional name for the same op).
 LOWER_PRECISION_OPS = frozenset({
@@ -125,14 +127,8 @@ class CudaAutocast(TorchFunctionMode):
         if original is not None:
             patches += [(module, "maybe_autocast", maybe_autocast) for name, module in list(sys.modules.items())
                         if name.startswith("transformers") and vars(module).get("maybe_autocast") is original]
-        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-        for owner, name, value in patches:
-            setattr(owner, name, value)
-        try:
+        with attributes_set(patches):
             yield
-        finally:
-            for owner, name, value in saved:
-                setattr(owner, name, value)
 
     def active(self) -> bool:
         """Whether this mode is on the current TorchFunctionMode stack (backward runs outside it)."""
