@@ -32,7 +32,8 @@ SETTINGS_TABLES = {
     "results/trainer_heldout/h200/peak_memory.parquet": "held-out",
     "results/lora/h100/peak_memory.parquet": "tuned",
     "results/lora_heldout/h100/peak_memory.parquet": "held-out",
-    # SFTTrainer, the Trainer in bf16-autocast and with Liger (config/sweep_sft*.yaml; sft_qlora not measured yet)
+    # SFTTrainer, the Trainer in bf16-autocast and with Liger (config/sweep_sft*.yaml); QLoRA under SFTTrainer
+    # (sft_qlora: its first points showed how from_pretrained loads a 4-bit base, hence tuned)
     "results/sft/h100/peak_memory.parquet": "tuned",
     "results/sft_qlora/h100/peak_memory.parquet": "tuned",
     "results/sft_heldout/h100/peak_memory.parquet": "held-out",

@@ -111,6 +111,34 @@ def packed_weight(module, config):
                       quant_storage=torch.uint8, module=module, bnb_quantized=True)
 
 
+def loaded_from_checkpoint(model, tracker):
+    """`model`, a 4-bit base built outside the trace, counted by `tracker` as `from_pretrained` loads it on
+    a GPU (transformers 5.17, bitsandbytes 0.50; measured on an H100, Llama-3.2-1B: the same blocks in the
+    same order): `caching_allocator_warmup` takes one block of the loaded model's size (4-bit weights at half
+    a byte an element, the rest at their size; `torch.empty` in fp16) and frees it; then each weight in the
+    checkpoint's (sorted) key order: a 4-bit one arrives whole in the model's dtype, `quantize_4bit` makes
+    its absmax, packed data and code, and the whole copy goes; the others stay as they arrive."""
+    import torch
+    from bitsandbytes.nn import Params4bit
+
+    weights = sorted(model.named_parameters(), key=lambda item: item[0])
+    dtype = next((w.dtype for _, w in weights if not isinstance(w, Params4bit)), torch.bfloat16)
+    size = sum(w.quant_state.shape.numel() // 2 if isinstance(w, Params4bit) else w.numel() * w.element_size()
+               for _, w in weights)
+    warmup = torch.empty(size // 2, dtype=torch.float16, device="meta")
+    del warmup
+    arrived = []  # a 4-bit weight as it arrives, until it is quantized
+    for _, weight in weights:
+        if isinstance(weight, Params4bit):
+            arrived.append(torch.empty(weight.quant_state.shape, dtype=dtype, device="meta"))
+            for tensor in (weight.quant_state.absmax, weight, weight.quant_state.code):
+                tracker.track(tensor, "parameters")
+            arrived.clear()
+        else:
+            tracker.track(weight, "parameters")
+    return model
+
+
 def quantization_state(model) -> list:
     """The tensors a quantized base keeps beside its packed weights (bitsandbytes' QuantState:
     absmax per block, the code; Int8Params' row scales), allocated with the weights."""

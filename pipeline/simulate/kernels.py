@@ -70,6 +70,15 @@ def _bool_index_workspace(args, kwargs, out):
     return [rows * dims * 8] if dims else []
 
 
+def _softmax_backward_workspace(args, kwargs, out):
+    """CUDA's softmax backward (SoftMax.cu, softmax_backward_cuda_out) first computes `grad * output`
+    into a temporary the size of the gradient, freed when the op returns: an eager attention's
+    (B, H, L, L) fp32 buffer (measured: bloom-1b7 under SFTTrainer peaks exactly one such tensor above
+    the meta kernels' count in the attention's backward). log_softmax's backward has no such step."""
+    grad, output = args[0], args[1]
+    return [grad.numel() * torch.promote_types(grad.dtype, output.dtype).itemsize]
+
+
 def host_outputs() -> dict:
     """Outputs that the meta kernel makes but CUDA keeps on the host (not counted)."""
     return attention_host_outputs()
@@ -80,7 +89,8 @@ def workspace_rules() -> dict:
     from pipeline.simulate.bnb_kernels import bnb_workspace_rules
 
     return {**attention_workspaces(), torch.ops.aten.embedding_dense_backward.default: _embedding_backward_workspace,
-            torch.ops.aten.index.Tensor: _bool_index_workspace, **bnb_workspace_rules()}
+            torch.ops.aten.index.Tensor: _bool_index_workspace,
+            torch.ops.aten._softmax_backward_data.default: _softmax_backward_workspace, **bnb_workspace_rules()}
 
 
 class CublasWorkspaces:

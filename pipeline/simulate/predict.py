@@ -56,9 +56,11 @@ def run_model(config, run: Run, trace, anew: bool = False):
     """The meta model of `run` (with its adapters): for a process's first point (`run.fresh_process`)
     built in `trace` (`Trace.record`: the build's allocations, transient ones too, are the process's
     first, as on a GPU: a tied head's own weight made and dropped, PEFT's adapters made in the base's
-    dtype and cast to fp32); else the one cached per config, precision, attention and adapters, or a new one outside the trace
+    dtype and cast to fp32; a 4-bit base as from_pretrained loads its checkpoint); else the one cached per config, precision, attention and adapters, or a new one outside the trace
     (`anew`: for a client that changes the model it trains; `adapters.fresh_adapter_model`)."""
-    from pipeline.simulate.adapters import cached_adapter_model, check_adapter, fresh_adapter_model
+    from pipeline.simulate.adapters import (cached_adapter_model, check_adapter, fresh_adapter_model, fresh_base_model,
+                                            loaded_from_checkpoint)
+    from pipeline.training.adapters import apply_adapters
 
     attention = meta_attention(run.attn_implementation)
     if run.adapter is None:
@@ -67,6 +69,10 @@ def run_model(config, run: Run, trace, anew: bool = False):
         check_adapter(run.adapter, run.variant)
         build, args = cached_adapter_model, (config_key(config), run.precision, attention, run.adapter,
                                              run.checkpointing)
+    if run.fresh_process and run.adapter is not None and run.adapter.quantization:
+        skeleton = fresh_base_model(*args[:3], run.adapter.quantization)  # loaded as from_pretrained loads it
+        return trace.record(lambda: apply_adapters(loaded_from_checkpoint(skeleton, trace.tracker), run.adapter,
+                                                   run.checkpointing))
     if run.fresh_process:
         return trace.record(lambda: build.__wrapped__(*args))
     return fresh_adapter_model(*args) if anew and run.adapter is not None else build(*args)

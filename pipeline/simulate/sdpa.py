@@ -109,11 +109,10 @@ def math_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 
 
 class SafeSoftmax(torch.autograd.Function):
-    """aten::_safe_softmax over the last dim, with the memory its CUDA backward shows: one more
-    buffer the size of the probabilities while the gradient is computed (measured: fp32 math-kernel
-    rows of SmolLM2-135M/360M and TinyLlama peak one (B, H, L, L) fp32 tensor above the meta
-    kernels' count in the backward, with and without checkpointing; eager attention's softmax
-    does not). Its forward keeps a bool mask of the input alive (workspace rule)."""
+    """aten::_safe_softmax over the last dim, saving its output for a backward through
+    `_softmax_backward_data`, whose CUDA kernel first computes grad * output into a temporary of the
+    gradient's size (`kernels._softmax_backward_workspace`, as for eager attention's softmax). Its forward
+    keeps a bool mask of the input alive (workspace rule)."""
 
     @staticmethod
     def forward(ctx, scores):
@@ -125,10 +124,7 @@ class SafeSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (probabilities,) = ctx.saved_tensors
-        scratch = torch.empty_like(grad)
-        grad_scores = torch.ops.aten._softmax_backward_data(grad, probabilities, -1, ctx.input_dtype)
-        del scratch
-        return grad_scores
+        return torch.ops.aten._softmax_backward_data(grad, probabilities, -1, ctx.input_dtype)
 
 
 # -- scratch memory of the attention backward kernels (bytes allocated and freed inside one op) ----

@@ -44,7 +44,7 @@ def trl_peak(config, run: Run, client: str, unavailable, step_run, make_trainer)
     `make_trainer(model, setting, trace)`, in the trace for a process's first point (`predict.run_model`),
     then `step_run(trainer, seq, precision, checkpointing, "meta")` run as the Trainer's loop."""
     from pipeline.core.errors import UserError
-    from pipeline.simulate.adapters import check_adapter, fresh_base_model
+    from pipeline.simulate.adapters import check_adapter, fresh_base_model, loaded_from_checkpoint
     from pipeline.simulate.trainer import trainer_trace
 
     start = time.perf_counter()
@@ -64,12 +64,19 @@ def trl_peak(config, run: Run, client: str, unavailable, step_run, make_trainer)
                       liger_kernel=run.liger_kernel, completion_share=run.completion_share)
     trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process)
 
-    def built():
-        model = fresh_base_model(config_key(config), run.precision, meta_attention(run.attn_implementation),
-                                 run.adapter.quantization if run.adapter else None)
-        return make_trainer(model, setting, trace)
+    quantization = run.adapter.quantization if run.adapter else None
 
-    trainer = trace.record(built) if run.fresh_process else built()
+    def base():
+        return fresh_base_model(config_key(config), run.precision, meta_attention(run.attn_implementation),
+                                quantization)
+
+    if not run.fresh_process:
+        trainer = make_trainer(base(), setting, trace)
+    elif quantization:  # from_pretrained's load of a 4-bit checkpoint, then the trainer
+        skeleton = base()
+        trainer = trace.record(lambda: make_trainer(loaded_from_checkpoint(skeleton, trace.tracker), setting, trace))
+    else:  # a build from the config on the device
+        trainer = trace.record(lambda: make_trainer(base(), setting, trace))
     result = simulate_run(step_run(trainer, run.seq, run.precision, run.checkpointing, "meta"), trace=trace)
     if run.adapter is not None:
         from pipeline.training.adapters import trainable_parameters
