@@ -111,7 +111,7 @@ def test_hook_features_per_op_from_the_module_counts():
 
     def values(model_id):
         record = RECORDS[model_id]
-        return hook_feature_values(read_facts(record["config"]), record["config"])
+        return hook_feature_values(read_facts(record["config"]))
 
     # Per-module meta counts (`python -m pipeline count`): Mixtral's activation module 32 x 2 x 14336,
     # gpt-oss none (a function inside the experts), Llama 4 Scout every expert (16 + its outputs 16 x 5120),
@@ -139,7 +139,7 @@ def test_formula_figures_and_peak_rows_from_the_committed_tables(tmp_path):
     figure = draw_formula_vs_counted(__import__("pathlib").Path("results"))
     scatters = [c for ax in figure.axes for c in ax.collections if type(c).__name__ == "PathCollection"]
     held_out = int(points["held_out"].sum())  # circled again in each panel (fit.formula.HELD_OUT_MODELS)
-    assert held_out == 6 and sum(len(c.get_offsets()) for c in scatters) == 3 * (230 + held_out)  # every model
+    assert held_out == 12 and sum(len(c.get_offsets()) for c in scatters) == 3 * (230 + held_out)  # every model
     summary = json.loads(open("results/validation_summary.json").read())
     table = peak_comparison_markdown(summary)
     assert "| closed form | leave one family out | 2505 | 0.6% | 6.5% | 28.0% | 99.9% |" in table

@@ -295,5 +295,6 @@ def test_new_architecture_plans_measure_registry_models_and_keep_the_held_out_ap
     ids = {e["id"] for e in ENTRIES}
     main = set(plan_models(load_plan(REPO / "config" / "sweep_new_arch.yaml")))
     held = set(plan_models(load_plan(REPO / "config" / "sweep_new_arch_heldout.yaml")))
-    assert main <= ids and held <= ids and not main & held
-    assert held == set(HELD_OUT_MODELS)
+    norms = set(plan_models(load_plan(REPO / "config" / "sweep_norms_heldout.yaml")))
+    assert main <= ids and held <= ids and norms <= ids and not main & (held | norms)
+    assert held | norms == set(HELD_OUT_MODELS) and len(HELD_OUT_MODELS) == 12

@@ -44,6 +44,9 @@ SETTINGS_TABLES = {
     # the held-out plan's models are fit.formula.HELD_OUT_MODELS, out of the formula's fit as well
     "results/new_arch/h100/peak_memory.parquet": "tuned",
     "results/new_arch_heldout/h100/peak_memory.parquet": "held-out",
+    # config/sweep_norms_heldout.yaml: models of HELD_OUT_MODELS measured after the formula's query/key-norm and
+    # soft-cap terms (the loop in bf16 and amp-bf16)
+    "results/norms_heldout/h100/peak_memory.parquet": "held-out",
 }
 SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
 SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"

@@ -247,7 +247,7 @@ class FormulaEstimator(FittedEstimator):
             result["components"] = shard_components(parts, run.num_gpus, run.sharding)
             result["peak_bytes"], result["peak_phase"] = peak_of(result["components"])
         hook = section["hook_elements"]["coefficients"]
-        elements = sum(hook.get(t, 0.0) * v for t, v in hook_feature_values(facts, config).items())
+        elements = sum(hook.get(t, 0.0) * v for t, v in hook_feature_values(facts).items())
         return self.with_reserved(Estimate(result["peak_bytes"], result["components"], {
             "activations_per_token": elements, "activations_per_token_unit": "elements (hook method, formula)",
             "unread_terms": list(facts.unread),

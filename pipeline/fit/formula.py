@@ -14,7 +14,7 @@ Each fit reports in-sample and leave-one-family-out R^2, MAPE, worst, and bootst
 
 `HELD_OUT_MODELS` never enter these fits: models of the 2025-26 architectures kept apart, whose
 counted hook elements and saved bytes the fitted formula is judged on afterwards (`held_out`), as the
-GPU plan `config/sweep_new_arch_heldout.yaml` keeps their peaks apart.
+GPU plans `config/sweep_new_arch_heldout.yaml` and `config/sweep_norms_heldout.yaml` keep their peaks apart.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ TERMS = list(FEATURES)
 # Kept out of every formula fit and judged apart (one per family: gated delta-net, short convolutions,
 # Mamba-2 with a shared MLP, a parallel Mamba-2 hybrid, per-layer inputs with two attention widths, relu-squared).
 HELD_OUT_MODELS = ("Qwen/Qwen3.5-2B", "LiquidAI/LFM2-1.2B", "ibm-granite/granite-4.0-h-1b", "tiiuae/Falcon-H1-3B-Instruct",
-                   "google/gemma-4-E2B-it", "karpathy/nanochat-d32")
+                   "google/gemma-4-E2B-it", "karpathy/nanochat-d32",
+                   # config/sweep_norms_heldout.yaml: measured after the query/key-norm and soft-cap terms
+                   "Qwen/Qwen3-4B-Instruct-2507", "LiquidAI/LFM2-2.6B", "tencent/Hunyuan-4B-Instruct", "Qwen/Qwen3.5-4B",
+                   "google/gemma-2-9b", "allenai/OLMo-2-1124-7B")
 FORMULA_RESAMPLES = 200  # bootstrap draws of each formula fit (each a non-negative least squares)
 N_TERM = "weights"  # the coefficient of N: bytes per parameter kept beside the activations
 
@@ -64,9 +67,9 @@ def hook_table(models, activations, facts):
     return rows[rows["model_id"].isin(facts)].sort_values("model_id").reset_index(drop=True)
 
 
-def hook_design(records: dict, facts: dict) -> dict:
+def hook_design(facts: dict) -> dict:
     """{model id: the hook count's features (`pipeline.formulas.hook_features`)} of the ok models."""
-    return {m: list(hook_feature_values(f, records[m]["config"]).values()) for m, f in facts.items()}
+    return {m: list(hook_feature_values(f).values()) for m, f in facts.items()}
 
 
 def fit_hook_formula(rows, hook_x: dict, **run) -> dict:
@@ -177,7 +180,7 @@ def held_out_check(models, activations, records, held: dict, hook_fit, saved_fit
     hooks = hook_table(models, activations, held)
     if hooks.empty:
         return section
-    x = hook_design(records, held)
+    x = hook_design(held)
     predicted = [sum(c * v for c, v in zip(hook_fit["coefficients"].values(), x[m])) for m in hooks["model_id"]]
     section["hook_elements"] = metrics(hooks["elements_per_token"], predicted, hooks["model_id"])
     a, b = line["coefficients"]["a"], line["coefficients"]["b"]
@@ -225,7 +228,7 @@ def fit_formula(models, activations, peaks, records: dict, resamples: int = FORM
     facts, held = split_held_out(every)
     run = {"resamples": resamples, "seed": seed}
     hooks = hook_table(models, activations, facts)
-    hook = fit_hook_formula(hooks, hook_design(records, facts), **run)
+    hook = fit_hook_formula(hooks, hook_design(facts), **run)
     saved_rows = {p: saved_table(models, activations, facts, p) for p in PRECISIONS}
     saved = {p: fit_saved_formula(rows, facts, p, **run) for p, rows in saved_rows.items() if len(rows)}
     line = line_in_formula_cv(hooks, **run)

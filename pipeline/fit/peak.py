@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pipeline.core.vocabulary import WEIGHT_BYTES
 from pipeline.fit.regression import fit_terms, public
-from pipeline.formulas.peak import SAME_TENSORS_AS, TERMS, amp_copies, branches, known_attention, peak_group, saved_design
+from pipeline.formulas.peak import (SAME_TENSORS_AS, TERMS, branches, known_attention, known_saved_bytes, peak_group,
+                                   saved_design)
 
 START_DOMINATES = 2.0  # fit points: saved part of the backward peak above this many gradients
 
@@ -50,8 +51,9 @@ def fit_peak(rows, facts, counted: dict | None = None, **run) -> dict:
         x = [[int(r.batch_size) * int(r.seq_len) * v for v in
               saved_design(facts[r.model_id], int(r.seq_len), r.precision, bool(r.gradient_checkpointing),
                            known_attention(r.attn_implementation))] for r in part.itertuples()]
-        amp = [amp_copies(facts[r.model_id], r.precision, bool(r.gradient_checkpointing)) for r in part.itertuples()]
-        y = part["saved_bytes"].to_numpy(float) - amp
+        known = [known_saved_bytes(facts[r.model_id], r.precision, bool(r.gradient_checkpointing),
+                                   int(r.batch_size) * int(r.seq_len)) for r in part.itertuples()]
+        y = part["saved_bytes"].to_numpy(float) - known
         offset = part["known_bytes"].to_numpy(float)
         fit = fit_terms(x, y, part["family"], part["model_id"], TERMS, offset=offset, **run)
         everywhere = rows[rows["group"] == group]
@@ -64,7 +66,8 @@ def fit_peak(rows, facts, counted: dict | None = None, **run) -> dict:
         fit["coefficients"].update({t: fallback[t] for t in fit["counted_terms"]})
         fit["metrics_of"] = ("the backward peak of the points where its start dominates (saved part above "
                              f"{START_DOMINATES} x the gradients), fitted by least squares of its relative error")
-        fit["units"] = {"y": "bytes saved for backward (amp copies apart), read off the measured backward peak",
+        fit["units"] = {"y": "bytes saved for backward (amp copies and the soft cap apart), read off the measured "
+                             "backward peak",
                         "c": "bytes per feature unit per token"}
         fits[group] = public(fit)
     return fits

@@ -51,6 +51,10 @@ SUB_NORMS = {"bitnet"}
 GATED_ATTENTION = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
 # DeepSeek sparse attention: a lightweight indexer per layer picks the keys; SDPA then takes an explicit mask.
 SPARSE_INDEXER = {"deepseek_v32", "glm_moe_dsa"}
+# query/key norms: always in these types; elsewhere where use_qk_norm / qk_layernorm is true
+QK_NORM_TYPES = {"qwen3", "qwen3_moe", "olmo2", "olmoe", "gemma3_text", "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text",
+                 "qwen3_next", "exaone4", "olmo3", "hunyuan_v1_dense", "apertus", "nanochat", "lfm2"}
+QK_NORM_FIELDS = ("use_qk_norm", "qk_layernorm")
 DEFAULT_LAYOUT = (0, 0, 0, 0, 2, 0)  # llama-like: no biases, RMSNorm weight only, two norms per layer
 # Implementations that run every routed expert on every token (the router only weights the outputs).
 EVERY_EXPERT = {"llama4_text"}
@@ -127,10 +131,13 @@ FEATURES = {
                        "projections)",
     "indexer": "attention layers x (index_n_heads x index_head_dim + 2 x index_head_dim + index_n_heads): DeepSeek "
                "sparse attention's indexer (no gradient: nothing saved)",
+    "qk_norm": "attention layers x (num_attention_heads + num_key_value_heads) x head_dim where queries and keys "
+               "are normalised (model type in QK_NORM_TYPES or use_qk_norm / qk_layernorm true; Llama 4: its "
+               "layers with rotary embeddings): an RMSNorm's fp32 copies of its input, per element",
 }
 PER_LAYER = ("attention", "attention_output", "mlp", "mlp_gated", "mlp_composite", "experts", "router", "recurrent", "scores",
              "scores_dropout", "mask", "mixer_in", "mixer_conv", "mixer_out", "mixer_keys", "mixer_state", "mixer_chunk",
-             "extra_norms", "mlp_squared", "mlp_xielu", "sub_norms", "per_layer_input", "indexer")
+             "extra_norms", "mlp_squared", "mlp_xielu", "sub_norms", "per_layer_input", "indexer", "qk_norm")
 KERNELS = {
     "eager": "eager attention: the architecture has no SDPA path (EAGER_ONLY) or eager was asked for",
     "math": "SDPA's math fallback: fp32 with grouped key/value heads and no mask (flash needs 16-bit; the "
@@ -189,6 +196,8 @@ class Facts:
     per_layer_vocab: int = 0
     indexer: tuple = ()  # (index_n_heads, index_head_dim) of DeepSeek sparse attention
     extra_parameters: int = 0  # beyond attention, mixer, MLP and norms (BitNet's sub-norms, router scales, sinks)
+    qk_norm: int = 0  # query and key elements per token that query/key norms normalise (all layers)
+    softcap: bool = False  # final_logit_softcapping: the logits divided, tanh'd and scaled before the loss
     unread: list = field(default_factory=list)
 
     @property
@@ -260,6 +269,7 @@ def read_facts(config: dict) -> Facts:
     _read_moe(facts, config, pattern)
     _read_window(facts, config)
     _read_architecture(facts, config)
+    _read_norms(facts, config)
     facts.embed_width = whole(config.get("word_embed_proj_dim"), hidden) or hidden
     facts.dropout = _dropout(config, model_type)
     if model_type == "llama4_text" and config.get("intermediate_size_mlp"):
@@ -306,6 +316,20 @@ def _read_architecture(facts: Facts, config: dict) -> None:
         if facts.experts:
             facts.moe_intermediate, facts.shared_intermediate = facts.intermediate, shared
         facts.intermediate = shared  # the shared MLP of every layer; experts keep intermediate_size
+
+
+def _read_norms(facts: Facts, config: dict) -> None:
+    """Query/key norms (`QK_NORM_TYPES`, or a config flag) on the layers that have them (Llama 4: those with rotary
+    embeddings, all but each `no_rope_layer_interval`-th, 4 by default), and the logits' soft cap."""
+    if facts.model_type in QK_NORM_TYPES or any(config.get(name) is True for name in QK_NORM_FIELDS):
+        query, key_value, _, _ = facts.attention_totals()
+        layers = facts.attention_layers
+        if facts.model_type == "llama4_text":
+            layers -= layers // max(whole(config.get("no_rope_layer_interval"), 4), 1)
+        share = layers / facts.attention_layers if facts.attention_layers else 0
+        facts.qk_norm = round(share * (query + key_value // 2))
+    cap = config.get("final_logit_softcapping")
+    facts.softcap = isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0
 
 
 def _read_gemma4(facts: Facts, config: dict) -> None:
@@ -619,6 +643,7 @@ def feature_values(facts: Facts, seq_len: int = 1, kernel: str = "eager") -> dic
         "sub_norms": facts.layers * (facts.hidden + facts.intermediate) if facts.model_type in SUB_NORMS else 0,
         "per_layer_input": facts.layers * facts.per_layer_input,
         "indexer": attention * (index_heads * index_dim + 2 * index_dim + index_heads),
+        "qk_norm": facts.qk_norm,
     }
 
 

@@ -1,7 +1,7 @@
 """The hook count's own features: what the modules output, per op, in config facts (no torch).
 
 The hook method sums the outputs of every module (`pipeline.activations.counts.hook_elements`), so
-its terms are the modules' output widths, not what autograd saves. Two things differ from the
+its terms are the modules' output widths, not what autograd saves. These differ from the
 saved-bytes features (`pipeline.formulas.features.feature_values`), both read off per-module counts of the
 meta forward (`python -m pipeline count`; hooks grouped by module class):
 
@@ -11,9 +11,6 @@ meta forward (`python -m pipeline count`; hooks grouped by module class):
   where each expert is a module (DBRX, the parallel experts of JetMoE), its output
   (hidden_size) and its input projection (2 x moe_intermediate_size, gated). Llama 4 runs every
   expert on every token and its experts module returns each expert's output.
-- query/key norms (Qwen 3, OLMo 2, OLMoE, Gemma 3, GLM-4.5, Llama 4, StableLM 2 12B, Persimmon,
-  Command R+): one more output as wide as the queries and one as wide as the keys per layer.
-
 - token mixers beside attention (`pipeline.formulas.mixers`): their causal convolution is padded by
   kernel - 1, so at one token the convolution module outputs `kernel` positions; their states, keys
   per head and within-chunk products are not module outputs (no term).
@@ -26,7 +23,6 @@ Everything else is `feature_values` at L = 1 (one token: no term in L).
 from __future__ import annotations
 
 from pipeline.formulas.features import EVERY_EXPERT, FEATURES, feature_values
-from pipeline.formulas.mixers import whole
 
 # Per expert that runs on a token, outputs the hooks see: (moe_intermediate_size wide, hidden_size wide).
 # Default: the fused experts module of transformers (its activation module only).
@@ -37,13 +33,10 @@ EXPERT_OUTPUTS = {
     "llama4_text": (1, 1),  # every expert runs; the experts module returns each one's output
 }
 DEFAULT_EXPERT_OUTPUTS = (1, 0)
-QK_NORM_TYPES = {"qwen3", "qwen3_moe", "olmo2", "olmoe", "gemma3_text", "gemma4_text", "qwen3_5_text", "qwen3_5_moe_text",
-                 "qwen3_next", "exaone4", "olmo3", "hunyuan_v1_dense", "apertus", "nanochat", "lfm2"}
 # The saved-bytes terms that are no module's output: L x L scores and masks, experts as the saved bytes see
 # them, the chunked scans' states, keys and within-chunk products, the activations' inner elementwise ops.
 NOT_MODULE_OUTPUTS = ("experts", "scores", "mask", "mixer_keys", "mixer_state", "mixer_chunk", "mlp_squared",
                       "mlp_xielu", "mixer_conv")  # the convolution's outputs: `mixer_conv_outputs` below
-QK_NORM_FIELDS = ("use_qk_norm", "qk_layernorm")
 
 HOOK_FEATURES = {
     **{k: v for k, v in FEATURES.items() if k not in NOT_MODULE_OUTPUTS},
@@ -53,9 +46,6 @@ HOOK_FEATURES = {
                           "parallel experts with their input linear)",
     "expert_outputs": "MoE layers x experts run per token x hidden_size where each expert's output is a module "
                       "output (DBRX, JetMoE, Llama 4)",
-    "qk_norm": "attention layers x (num_attention_heads + num_key_value_heads) x head_dim where queries and keys "
-               "are normalised (model type in QK_NORM_TYPES or use_qk_norm / qk_layernorm true; Llama 4: its "
-               "layers with rotary embeddings)",
     "mixer_conv_outputs": "mixer layers x the channels of its causal depthwise convolution x its kernel (the "
                           "convolution's output at one token: kernel positions)",
 }
@@ -63,24 +53,8 @@ HOOK_TERMS = list(HOOK_FEATURES)
 HOOK_ONLY_TERMS = [t for t in HOOK_TERMS if t not in FEATURES]  # the hook count's own terms
 
 
-def has_qk_norm(model_type: str, config: dict) -> bool:
-    if model_type in QK_NORM_TYPES:
-        return True
-    return any(config.get(name) is True for name in QK_NORM_FIELDS)
-
-
-def normed_layers(facts, config: dict) -> int:
-    """Layers whose queries and keys are normalised: Llama 4 only where it applies rotary embeddings
-    (every layer but each `no_rope_layer_interval`-th, 4 by default)."""
-    if facts.model_type != "llama4_text":
-        return facts.attention_layers
-    return facts.attention_layers - facts.attention_layers // (max(whole(config.get("no_rope_layer_interval"), 4), 1))
-
-
-def hook_feature_values(facts, config: dict) -> dict:
-    """The hook count's features of one token (`HOOK_FEATURES` order), from facts and the config dict."""
-    if isinstance(config.get("text_config"), dict):
-        config = config["text_config"]
+def hook_feature_values(facts) -> dict:
+    """The hook count's features of one token (`HOOK_FEATURES` order), from a config's facts."""
     values = feature_values(facts, 1, "eager")
     run = facts.experts if facts.model_type in EVERY_EXPERT else facts.top_k
     wide, hidden = EXPERT_OUTPUTS.get(facts.model_type, DEFAULT_EXPERT_OUTPUTS)
@@ -88,7 +62,4 @@ def hook_feature_values(facts, config: dict) -> dict:
     values["expert_activations"] = per_layer * facts.moe_intermediate * wide
     values["expert_outputs"] = per_layer * facts.hidden * hidden
     values["mixer_conv_outputs"] = values["mixer_conv"] * facts.mixer.kernel if facts.mixer else 0
-    query, key_value, _, _ = facts.attention_totals()
-    share = normed_layers(facts, config) / facts.attention_layers if facts.attention_layers else 0
-    values["qk_norm"] = round(share * (query + key_value // 2)) if has_qk_norm(facts.model_type, config) else 0
     return {t: values[t] for t in HOOK_TERMS}

@@ -9,7 +9,8 @@ weight bytes of the precision, S the optimizer state, T = B x L tokens, V the vo
   everything saved for backward + 8 x T x V (the fp32 gradients of log_softmax and of its input).
   Of that, the saved bytes are the one fitted part: T x sum_k c_k x_k(L) over the config's features
   (`pipeline.formulas.features`), plus, under amp-bf16, the bf16 copies of the matmul weights autocast keeps,
-  2 bytes x their parameters, known exactly. With gradient checkpointing only the layer inputs stay
+  2 bytes x their parameters, and where the logits are soft-capped (Gemma 2, nanochat) the tanh's output,
+  T x V in the activations' dtype: both known exactly (`known_saved_bytes`). With gradient checkpointing only the layer inputs stay
   (the `hidden` term) and one layer is recomputed at a time: the per-layer terms count once, not
   per layer (and so do the amp copies of one layer's weights).
 
@@ -36,7 +37,7 @@ read off exactly (`pipeline.fit.peak`); coefficients are non-negative, in bytes 
 
 from __future__ import annotations
 
-from pipeline.core.vocabulary import WEIGHT_BYTES, precision_mode
+from pipeline.core.vocabulary import ACTIVATION_BYTES, WEIGHT_BYTES, precision_mode
 from pipeline.formulas.components import optimizer_bytes
 from pipeline.formulas.features import (FEATURES, LOSS_BACKWARD_BYTES, PER_LAYER, WORKSPACE_BYTES, attention_kernel,
                                         autocast_fp32_bytes, feature_values, matmul_parameters)
@@ -46,7 +47,8 @@ from pipeline.formulas.mixers import ssd_transient_bytes
 TERMS = list(FEATURES)
 AMP_COPY_BYTES = 2  # bytes per matmul weight: the bf16 copy autocast makes and autograd keeps
 PEAK_FORMULA = ("peak = max(W + G + S + I + workspaces, W + S + workspaces + 8 x T x V + saved); "
-                "saved = T x sum_k c_k x_k(L) [+ 2 x matmul parameters under amp-bf16]; W, G, S, I: weights, "
+                "saved = T x sum_k c_k x_k(L) [+ 2 x matmul parameters under amp-bf16] [+ T x V x activation bytes where "
+                "the logits are soft-capped]; W, G, S, I: weights, "
                 "gradients, optimizer state and the optimizer step's temporaries (bytes, from N); T = B x L; "
                 "V = vocab_size; workspaces = 65 MiB; Mamba-2 hybrids: 8 x T x V -> max(8 x T x V, SSD + head gradient), "
                 "SSD = 2 x 4 x max(Tp x chunk x heads x state, Tp x chunk x inner, Tp x inner x state, "
@@ -85,6 +87,17 @@ def amp_copies(facts, precision: str, checkpointing: bool, head: bool = True) ->
     return float(AMP_COPY_BYTES * matmul)
 
 
+def softcap_bytes(facts, precision: str) -> float:
+    """Bytes per token of the logits' soft cap (final_logit_softcapping): logits / cap, tanh, x cap; tanh keeps its
+    output for backward, one logits-sized tensor in the activations' dtype beside what the loss keeps."""
+    return float(facts.vocab * ACTIVATION_BYTES[precision]) if facts.softcap else 0.0
+
+
+def known_saved_bytes(facts, precision: str, checkpointing: bool, tokens: int) -> float:
+    """The saved bytes known exactly rather than fitted: the amp weight copies and the soft cap's tanh."""
+    return amp_copies(facts, precision, checkpointing) + tokens * softcap_bytes(facts, precision)
+
+
 def saved_design(facts, seq_len: int, precision: str, checkpointing: bool, attention=None) -> list:
     """The features per token at L (checkpointing: per-layer terms of one layer)."""
     values = feature_values(facts, seq_len, attention_kernel(facts, precision, attention))
@@ -101,7 +114,7 @@ def branches(facts, parameters, batch: int, seq: int, precision: str, optimizer:
     state, temporaries = optimizer_bytes(optimizer, parameters, WEIGHT_BYTES[precision])
     return {"parameters": weight, "gradients": weight, "optimizer_state": state,
             "optimizer_intermediates": temporaries, "workspaces": WORKSPACE_BYTES,
-            "activations": tokens * saved_per_token + amp_copies(facts, precision, checkpointing),
+            "activations": tokens * saved_per_token + known_saved_bytes(facts, precision, checkpointing, tokens),
             "loss_backward": LOSS_BACKWARD_BYTES * tokens * facts.vocab}
 
 
@@ -174,7 +187,7 @@ def closed_form_peak(peak_fits: dict, facts, parameters, batch: int, seq: int, p
         head = head_bytes(facts.vocab, width, batch, seq, precision, completion_share, head_trainable) if sft \
             else liger_head_bytes(facts.vocab, width, batch, seq, precision, head_trainable)
         parts["activations"] += head["saved"] - amp_copies(facts, precision, checkpointing) \
-            + amp_copies(facts, precision, checkpointing, head=False)
+            + amp_copies(facts, precision, checkpointing, head=False) - batch * seq * softcap_bytes(facts, precision)
         parts["loss_backward"] = head["backward"]
         if checkpointing:  # later in the backward: a layer recomputed and back-propagated, beside the gradients
             layer = batch * seq * one_layer_bytes(peak_fits, facts, seq, group.split("+")[0], attention)

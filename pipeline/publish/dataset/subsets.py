@@ -75,7 +75,7 @@ def features_table(configs_path) -> list[dict]:
     rows = feature_rows(records)
     for row in rows:
         config = records[row["model_id"]]["config"]
-        hook = hook_feature_values(read_facts(config), config)
+        hook = hook_feature_values(read_facts(config))
         row.update({f"feature_{term}": hook[term] for term in HOOK_ONLY_TERMS})
     return rows
 
