@@ -487,3 +487,19 @@ def test_efficiency_benchmark_reads_the_parts(cpu_sweep):
     assert "| run | started (unix) | GPUs | wall s |" in result.stdout
     assert "Share of GPU wall time inside measured training steps:" in result.stdout
     assert "| inside measured steps |" in result.stdout
+
+
+def test_a_fresh_machine_resumes_from_the_committed_table(tmp_path, capsys):
+    """--resume-from seeds the parts from a peak table: the committed SFT plan (96 rows, all measured on an H100)
+    leaves nothing to run; a job whose part file exists keeps its own rows."""
+    from pipeline.core.paths import CONFIGS
+
+    args = ["sweep", "--plan", "config/sweep_sft.yaml", "--configs", str(CONFIGS), "--parts", str(tmp_path / "parts"),
+            "--resume-from", "results/sft/h100/peak_memory.parquet", "--dry-run"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "96 rows of results/sft/h100/peak_memory.parquet seeded" in out
+    assert "estimated GPU time of the pending plan: 0.0 min" in out
+    assert len(list((tmp_path / "parts").glob("*.jsonl"))) == 30
+    assert main(args) == 0 and "0 rows of" in capsys.readouterr().out
+    assert main(args[:-3] + ["--resume-from", str(tmp_path / "none.parquet"), "--dry-run"]) == 2

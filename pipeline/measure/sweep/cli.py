@@ -28,6 +28,9 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--aggregate", action="store_true", help="only merge the parts into --out")
     parser.add_argument("--include", nargs="+", default=[], metavar="TABLE",
                         help="peak tables whose rows the merge takes too (e.g. the committed one)")
+    parser.add_argument("--resume-from", nargs="+", default=[], metavar="TABLE",
+                        help="peak tables whose rows settle their points (a fresh machine resuming a committed "
+                             "table: seeded into --parts where a job has no part file yet)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="cpu: a real but peak-less debug run")
     parser.add_argument("--time-limit", type=positive_int, metavar="SECONDS",
@@ -51,7 +54,7 @@ def _sweep_command(args) -> int:
     from pipeline.measure.device import cuda_device
     from pipeline.measure.sweep.cost import plan_report
     from pipeline.measure.sweep.jobs import plan_jobs
-    from pipeline.measure.sweep.parts import aggregate, event
+    from pipeline.measure.sweep.parts import aggregate, event, seed_parts
     from pipeline.measure.sweep.plan import GIB, load_plan, number, override_plan
     from pipeline.measure.sweep.runner import run_sweep
 
@@ -66,6 +69,9 @@ def _sweep_command(args) -> int:
     for model_id in missing:
         print(f"sweep: warning: {model_id} has no usable config in {args.configs}; left out")
     jobs = plan_jobs(plan, records)
+    if args.resume_from:
+        print(f"sweep: {seed_parts(jobs, args.parts, args.resume_from)} rows of {', '.join(args.resume_from)} "
+              f"seeded into {args.parts}")
     if args.dry_run:
         if args.gpu_memory_gib:
             plan = replace(plan, gpu_memory_bytes=number(args.gpu_memory_gib, "--gpu-memory-gib") * GIB)

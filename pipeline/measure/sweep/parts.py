@@ -98,6 +98,23 @@ def pending_points(job: Job, rows: list[dict], retry_errors: bool = False) -> li
     return [p for p in job.points if job.key(p) not in measured and not (p.skip_reason and job.key(p) in seen)]
 
 
+def seed_parts(jobs: list[Job], parts_dir, tables) -> int:
+    """The rows of earlier peak tables (`tables`) written into the part files of the jobs whose points they hold,
+    where a job has no part file yet: a sweep resumes from a committed table on a machine that kept no parts
+    (a device machine is given back when idle). Returns the rows seeded."""
+    by_key = {row_key(row): row for table in tables for row in table_rows(table)}
+    seeded = 0
+    for job in jobs:
+        path = part_path(parts_dir, job)
+        rows = [by_key[job.key(p)] for p in job.points if job.key(p) in by_key]
+        if rows and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for row in rows:
+                append_row(path, row)
+            seeded += len(rows)
+    return seeded
+
+
 def oom_points(rows: list[dict]) -> dict:
     """(B, L) of out-of-memory rows, by setting."""
     ooms: dict[Setting, list] = {}
