@@ -1,12 +1,12 @@
 """Accuracy of the exact simulator and the closed-form formula on the 2025-26 architectures' H100 tables.
 
-    python benchmarks/new_arch_accuracy.py simulate --table results/new_arch/h100/peak_memory.parquet=tuned \
-        --subset boundary --out results/new_arch/h100/simulated.parquet
     python benchmarks/new_arch_accuracy.py report \
         --table results/new_arch/h100/peak_memory.parquet=tuned \
         --table results/new_arch_heldout/h100/peak_memory.parquet=held-out \
-        --simulated results/new_arch/h100/simulated.parquet results/new_arch_heldout/h100/simulated.parquet \
-        --out results/new_arch/accuracy
+        --table results/norms_heldout/h100/peak_memory.parquet=held-out-2 \
+        --simulated results/settings_simulated.parquet --out results/new_arch/accuracy
+    python benchmarks/new_arch_accuracy.py simulate --table results/new_arch/h100/peak_memory.parquet=tuned \
+        --subset boundary --out build/new_arch_simulated.parquet
 
 `simulate` runs the simulator (`pipeline.validate.settings.simulate_settings`, as `python -m pipeline
 simulate-settings` does: the loop and the Trainer clients alike) on the table's `ok` and `oom` rows, or with

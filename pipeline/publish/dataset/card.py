@@ -46,6 +46,7 @@ def dataset_card(tables: dict, repo: str, figures: list[str], validation_summary
         "in a training-memory formula. Here the count is made for many causal language models, set "
         "against real CUDA peaks of a standard training step, refit and cross-validated.\n",
         _loading_section(repo, tables),
+        _models_section(tables),
         _subsets_section(tables),
         _method_section(tables),
         _headline_section(tables, figures, validation_summary),
@@ -53,6 +54,23 @@ def dataset_card(tables: dict, repo: str, figures: list[str], validation_summary
         _limits_section(tables),
     ]
     return "\n".join(parts)
+
+
+def _models_section(tables: dict) -> str:
+    """The registry's models by `model_type`; those kept out of every fit of the closed form marked."""
+    from pipeline.fit.formula import HELD_OUT_MODELS
+
+    frame = tables.get("models")
+    if frame is None or "model_type" not in frame.columns:
+        return ""
+    lines = [f"## Models\n\n{len(frame)} models of {frame['model_type'].nunique()} model types and "
+             f"{frame['family'].nunique()} families (`models`); * kept out of every fit of the closed form "
+             "(held out, judged apart):\n",
+             "| model_type | models |", "|---|---|"]
+    for model_type, group in frame.sort_values("model_id").groupby("model_type", sort=True):
+        ids = ", ".join(f"{m}{' *' if m in HELD_OUT_MODELS else ''}" for m in group["model_id"])
+        lines.append(f"| {model_type} | {ids} |")
+    return "\n".join(lines) + "\n"
 
 
 def _settings_section(tables: dict) -> str:
@@ -63,11 +81,12 @@ def _settings_section(tables: dict) -> str:
 
     frame = tables["settings_validation"]
     exact = summary_table(frame[frame["estimator"].isin(["exact", "formula"])])
-    return ("## Beyond the standard step: Trainer, LoRA, QLoRA\n\n"
-            "`training_settings` holds the measured points of transformers.Trainer (its optimizers, "
-            "amp-fp16, accumulation), LoRA and QLoRA; `settings_validation` the estimators against them "
-            "(|predicted / measured - 1| of ok points; the fit verdict over ok and oom points). The exact and "
-            "formula estimators:\n\n" + summary_markdown(exact))
+    return ("## Beyond the standard step\n\n"
+            "`training_settings` holds the measured points of transformers.Trainer (its optimizers, amp-fp16, "
+            "accumulation), LoRA and QLoRA, TRL's SFTTrainer (full, LoRA, QLoRA, Liger) and DPOTrainer, bf16-autocast, "
+            "and the 2025-26 architectures' loop and Trainer points; `settings_validation` the estimators against them "
+            "(|predicted / measured - 1| of ok points; the fit verdict over ok and oom points; held-out rows are models "
+            "nobody tuned on). The exact and formula estimators:\n\n" + summary_markdown(exact))
 
 
 def _loading_section(repo: str, tables: dict) -> str:

@@ -21,7 +21,8 @@ SUBSETS = {
     "features": ("configs.json", "one row per model: the closed-form formula's config features and N"),
     "training_settings": ("trainer/h100/peak_memory.parquet",
                           "one row per measured point of the settings beyond the standard step (transformers.Trainer "
-                          "and its optimizers, amp-fp16, LoRA, QLoRA), each GPU's and plan's tables joined, with "
+                          "and its optimizers, amp-fp16, LoRA, QLoRA, TRL's SFTTrainer and DPOTrainer, bf16-autocast, Liger, "
+                          "the 2025-26 architectures), each GPU's and plan's tables joined, with "
                           "their split (tuned / held-out)"),
     "settings_validation": ("settings_validation.parquet",
                             "one row per training-settings point x estimator: predicted against measured peak "
