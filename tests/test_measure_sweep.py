@@ -491,15 +491,22 @@ def test_efficiency_benchmark_reads_the_parts(cpu_sweep):
 
 def test_a_fresh_machine_resumes_from_the_committed_table(tmp_path, capsys):
     """--resume-from seeds the parts from a peak table: the committed SFT plan (96 rows, all measured on an H100)
-    leaves nothing to run; a job whose part file exists keeps its own rows."""
+    leaves nothing to run. A dry run says so and writes nothing; seeding skips a job whose part file exists."""
     from pipeline.core.paths import CONFIGS
+    from pipeline.measure.sweep.parts import seed_parts
 
-    args = ["sweep", "--plan", "config/sweep_sft.yaml", "--configs", str(CONFIGS), "--parts", str(tmp_path / "parts"),
+    parts = tmp_path / "parts"
+    args = ["sweep", "--plan", "config/sweep_sft.yaml", "--configs", str(CONFIGS), "--parts", str(parts),
             "--resume-from", "results/sft/h100/peak_memory.parquet", "--dry-run"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "96 rows of results/sft/h100/peak_memory.parquet seeded" in out
+    assert "96 rows of results/sft/h100/peak_memory.parquet would be seeded" in out
     assert "estimated GPU time of the pending plan: 0.0 min" in out
-    assert len(list((tmp_path / "parts").glob("*.jsonl"))) == 30
-    assert main(args) == 0 and "0 rows of" in capsys.readouterr().out
+    assert not parts.exists()
+    plan = sweep.load_plan("config/sweep_sft.yaml")
+    records, _ = load_model_records(CONFIGS, plan.models)
+    jobs = sweep.plan_jobs(plan, records)
+    assert seed_parts(jobs, parts, ["results/sft/h100/peak_memory.parquet"]) == 96
+    assert len(list(parts.glob("*.jsonl"))) == 30
+    assert seed_parts(jobs, parts, ["results/sft/h100/peak_memory.parquet"]) == 0
     assert main(args[:-3] + ["--resume-from", str(tmp_path / "none.parquet"), "--dry-run"]) == 2

@@ -197,7 +197,7 @@ class Facts:
     indexer: tuple = ()  # (index_n_heads, index_head_dim) of DeepSeek sparse attention
     extra_parameters: int = 0  # beyond attention, mixer, MLP and norms (BitNet's sub-norms, router scales, sinks)
     qk_norm: int = 0  # query and key elements per token that query/key norms normalise (all layers)
-    softcap: bool = False  # final_logit_softcapping: the logits divided, tanh'd and scaled before the loss
+    softcap: bool = False  # final_logit_softcapping (logits_soft_cap): the logits divided, tanh'd and scaled
     unread: list = field(default_factory=list)
 
     @property
@@ -328,7 +328,7 @@ def _read_norms(facts: Facts, config: dict) -> None:
             layers -= layers // max(whole(config.get("no_rope_layer_interval"), 4), 1)
         share = layers / facts.attention_layers if facts.attention_layers else 0
         facts.qk_norm = round(share * (query + key_value // 2))
-    cap = config.get("final_logit_softcapping")
+    cap = config.get("final_logit_softcapping") or config.get("logits_soft_cap")  # RecurrentGemma's name
     facts.softcap = isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0
 
 

@@ -46,6 +46,8 @@ HOOK_FEATURES = {
                           "parallel experts with their input linear)",
     "expert_outputs": "MoE layers x experts run per token x hidden_size where each expert's output is a module "
                       "output (DBRX, JetMoE, Llama 4)",
+    "qk_norm": "the saved bytes' qk_norm term read as module outputs: one output as wide as the queries and one as "
+               "wide as the keys per layer whose queries and keys are normalised",
     "mixer_conv_outputs": "mixer layers x the channels of its causal depthwise convolution x its kernel (the "
                           "convolution's output at one token: kernel positions)",
 }

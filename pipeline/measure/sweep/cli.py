@@ -6,6 +6,7 @@ the GPU machine does not depend on the other stages' imports.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,15 +70,16 @@ def _sweep_command(args) -> int:
     for model_id in missing:
         print(f"sweep: warning: {model_id} has no usable config in {args.configs}; left out")
     jobs = plan_jobs(plan, records)
-    if args.resume_from:
-        print(f"sweep: {seed_parts(jobs, args.parts, args.resume_from)} rows of {', '.join(args.resume_from)} "
-              f"seeded into {args.parts}")
     if args.dry_run:
         if args.gpu_memory_gib:
             plan = replace(plan, gpu_memory_bytes=number(args.gpu_memory_gib, "--gpu-memory-gib") * GIB)
-        lines, _ = plan_report(jobs, args.parts, plan, args.retry_errors)
+        with _seeded_copy(jobs, args.parts, args.resume_from) as parts:  # a dry run writes nothing
+            lines, _ = plan_report(jobs, parts, plan, args.retry_errors)
         print("\n".join(lines))
         return 0
+    if args.resume_from:
+        print(f"sweep: {seed_parts(jobs, args.parts, args.resume_from)} rows of {', '.join(args.resume_from)} "
+              f"seeded into {args.parts}")
     outcomes = run_sweep(jobs, args.parts, device, args.time_limit, args.child_timeout or plan.child_timeout_seconds,
                          args.gpus, args.start_method, plan.allow_tf32, args.retry_errors, plan.estimate)
     frame = aggregate(args.parts, args.out, args.include)
@@ -87,6 +89,26 @@ def _sweep_command(args) -> int:
           f"{outcomes['stopped']} stopped at the time limit, {outcomes['restarted']} restarted for their next point; {0 if frame is None else len(frame)} rows -> {args.out}"
           + (f"; {left} processes left: rerun the same command to continue" if left else "; plan complete"))
     return 0
+
+
+@contextlib.contextmanager
+def _seeded_copy(jobs, parts_dir, tables):
+    """`parts_dir`, or without touching it a temporary copy of it with the rows of `tables` seeded."""
+    import shutil
+    import tempfile
+
+    from pipeline.measure.sweep.parts import seed_parts
+
+    if not tables:
+        yield parts_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="avp-dry-run-") as scratch:
+        copy = Path(scratch) / "parts"
+        if Path(parts_dir).is_dir():
+            shutil.copytree(parts_dir, copy)
+        seeded = seed_parts(jobs, copy, tables)
+        print(f"sweep: {seeded} rows of {', '.join(map(str, tables))} would be seeded into {parts_dir}")
+        yield copy
 
 
 def _aggregate_command(args) -> int:

@@ -67,7 +67,7 @@ def settings_table(results_dir: Path):
 
 def features_table(configs_path) -> list[dict]:
     """One row per ok config: the formula's features and N (pipeline.formulas.features), plus the hook count's
-    own features (pipeline.formulas.hook_features: expert outputs as modules return them, query/key norms)."""
+    own features (pipeline.formulas.hook_features: expert outputs as modules return them, a convolution's outputs)."""
     from pipeline.inputs.configs import read_config_records
     from pipeline.formulas.features import feature_rows, read_facts
     from pipeline.formulas.hook_features import HOOK_ONLY_TERMS, hook_feature_values
