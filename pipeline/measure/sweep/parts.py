@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+from pipeline.core.io import write_text
 from pipeline.core.paths import PEAKS
 from pipeline.training.step import Setting
 from pipeline.measure.sweep.jobs import Job, Point
@@ -107,10 +108,8 @@ def seed_parts(jobs: list[Job], parts_dir, tables) -> int:
     for job in jobs:
         path = part_path(parts_dir, job)
         rows = [by_key[job.key(p)] for p in job.points if job.key(p) in by_key]
-        if rows and not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            for row in rows:
-                append_row(path, row)
+        if rows and not path.exists():  # written whole or not at all: a half-seeded part would never be completed
+            write_text("".join(json.dumps(row, default=str) + "\n" for row in rows), path)
             seeded += len(rows)
     return seeded
 
