@@ -57,22 +57,11 @@ def meta_dpo_trainer(model, reference, setting: Setting, precision: str, batch: 
     from trl import DPOConfig, DPOTrainer
 
     from pipeline.inputs.modeling import vocabulary_size
+    from pipeline.simulate.trainer_parts import on_simulated_device
     from pipeline.training.dpo import dataset_pairs, dpo_arguments, preference_dataset
     from pipeline.training.sft import peft_config, tokenizer
 
-    class MetaDPOConfig(DPOConfig):
-        @property
-        def place_model_on_device(self) -> bool:
-            return False
-
-    class MetaDPOTrainer(DPOTrainer):
-        def _prepare_input(self, data):
-            if isinstance(data, dict):
-                return type(data)({k: self._prepare_input(v) for k, v in data.items()})
-            if isinstance(data, torch.Tensor):
-                return data.to(self.simulated_device)
-            return data
-
+    MetaDPOTrainer, MetaDPOConfig = on_simulated_device(DPOTrainer, DPOConfig)
     datasets.disable_progress_bars()
     vocab = vocabulary_size(model)
     args = dpo_arguments(setting, precision, batch, seq, tempfile.mkdtemp(prefix="avp-simdpo-"), MetaDPOConfig,

@@ -95,21 +95,10 @@ def meta_sft_trainer(model, setting: Setting, precision: str, batch: int, seq: i
     from trl import SFTConfig, SFTTrainer
 
     from pipeline.inputs.modeling import vocabulary_size
+    from pipeline.simulate.trainer_parts import on_simulated_device
     from pipeline.training.sft import dataset_rows, peft_config, random_dataset, sft_arguments, tokenizer
 
-    class MetaSFTConfig(SFTConfig):
-        @property
-        def place_model_on_device(self) -> bool:
-            return False
-
-    class MetaSFTTrainer(SFTTrainer):
-        def _prepare_input(self, data):
-            if isinstance(data, dict):
-                return type(data)({k: self._prepare_input(v) for k, v in data.items()})
-            if isinstance(data, torch.Tensor):
-                return data.to(self.simulated_device)
-            return data
-
+    MetaSFTTrainer, MetaSFTConfig = on_simulated_device(SFTTrainer, SFTConfig)
     datasets.disable_progress_bars()  # the dataset's preparation, on stderr
     vocab = vocabulary_size(model)
     args = sft_arguments(setting, precision, batch, seq, tempfile.mkdtemp(prefix="avp-simsft-"), MetaSFTConfig,

@@ -14,17 +14,18 @@ from pipeline.core.vocabulary import precision_mode
 from pipeline.training.step import STEPS, autocast_dtype, mixed_precision_args
 
 
-class MetaTrainingArguments(TrainingArguments):
-    """The client's arguments; the model is not moved (it lives on the meta device)."""
+class ModelStaysInPlace:
+    """Training arguments (the Trainer's, SFTConfig, DPOConfig) that leave the model where it is: it lives on
+    the meta device."""
 
     @property
     def place_model_on_device(self) -> bool:
         return False
 
 
-class MetaTrainer(Trainer):
-    """The Trainer with its inputs placed on the model's device (accelerate's dataloader does it on
-    a GPU; here the accelerator runs on the CPU)."""
+class InputsOnSimulatedDevice:
+    """A trainer (the Trainer, SFTTrainer, DPOTrainer) whose inputs go to its `simulated_device` (accelerate's
+    dataloader does it on a GPU; here the accelerator runs on the CPU)."""
 
     def _prepare_input(self, data):
         if isinstance(data, Mapping):
@@ -34,6 +35,20 @@ class MetaTrainer(Trainer):
         if isinstance(data, torch.Tensor):
             return data.to(self.simulated_device)
         return data
+
+
+def on_simulated_device(trainer_class, arguments_class) -> tuple[type, type]:
+    """(trainer, arguments) subclasses of a Trainer and its arguments class for a model on the simulated device."""
+    return (type(f"Meta{trainer_class.__name__}", (InputsOnSimulatedDevice, trainer_class), {}),
+            type(f"Meta{arguments_class.__name__}", (ModelStaysInPlace, arguments_class), {}))
+
+
+class MetaTrainingArguments(ModelStaysInPlace, TrainingArguments):
+    """The client's arguments; the model is not moved."""
+
+
+class MetaTrainer(InputsOnSimulatedDevice, Trainer):
+    """The Trainer with its inputs placed on the model's device."""
 
 
 def meta_trainer(model, batch_size: int, precision: str, optim: str, gradient_accumulation: int,
