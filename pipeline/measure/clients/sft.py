@@ -13,11 +13,8 @@ globals included) are taken off (`pipeline.training.liger.LigerPatches`).
 
 from __future__ import annotations
 
-import gc
-import tempfile
-
-from pipeline.measure.clients.tracking import PhaseTracker, optimizer_state_bytes
-from pipeline.measure.clients.trainer import NEEDS_PACKAGE, StepTimes
+from pipeline.measure.clients.tracking import PhaseTracker
+from pipeline.measure.clients.trainer import NEEDS_PACKAGE, train_phased
 from pipeline.training.step import Setting, set_training_mode
 
 
@@ -67,37 +64,11 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
 
 
 def train_trl(model, setting: Setting, device: str, tracker: PhaseTracker, make_trainer, prefix: str):
-    """A TRL trainer's train() (the sft and dpo clients): `make_trainer(output_dir, times, extra)` builds it
-    on `model` (`extra`: use_cpu on a CPU), under Liger's patches when asked; phases from hooks on the model
-    it trains; returns (seconds per step, optimizer-state bytes) and puts the trained model's trainable
-    parameters in `tracker.extra`. Afterwards the model is as it was."""
+    """A TRL trainer's train() (the sft and dpo clients) through `trainer.train_phased`: `make_trainer(output_dir,
+    times, extra)` builds it on `model` (`extra`: use_cpu on a CPU). Afterwards the model is as it was."""
     import datasets
 
-    from pipeline.training.adapters import trainable_parameters
-    from pipeline.training.liger import LigerPatches
-
     datasets.disable_progress_bars()
-    set_training_mode(model, Setting())  # checkpointing off: the TRL trainer switches it on when asked
-    times = StepTimes(tracker, device)
-    trainer, hooks = None, []
     extra = {"use_cpu": True} if device == "cpu" else {}
-    try:
-        with tempfile.TemporaryDirectory(prefix=prefix) as output_dir, LigerPatches(model):
-            trainer = make_trainer(output_dir, times, extra)
-            trained = trainer.model
-            hooks = [trained.register_forward_pre_hook(lambda *_: tracker.start("forward")),
-                     trained.register_forward_hook(lambda *_: tracker.start("backward"))]
-            if setting.adapter is not None:
-                tracker.extra["trainable_parameters"] = trainable_parameters(trained)
-            tracker.start("setup")
-            trainer.train()
-            tracker.stop()
-            return times.seconds, optimizer_state_bytes(trainer.optimizer, device)
-    finally:
-        for hook in hooks:
-            hook.remove()
-        if trainer is not None:
-            trainer.accelerator.free_memory()
-        trainer = None
-        set_training_mode(model, Setting())
-        gc.collect()  # the Trainer's reference cycles hold the optimizer, its state (and DPO's reference model)
+    return train_phased(model, setting, device, tracker, lambda output_dir, times: make_trainer(output_dir, times, extra),
+                        prefix, lambda built: set_training_mode(built, Setting()))

@@ -97,15 +97,32 @@ def random_tokens(model, batch: int, seq: int, setting: Setting) -> RandomTokens
 def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, device: str,
               tracker: PhaseTracker, use_cache: bool):
     """Trainer.train() for three optimizer steps; returns (seconds per step, optimizer-state bytes)."""
-    set_training_mode(model, Setting())  # checkpointing off: the Trainer switches it on when asked
-    hooks = [model.register_forward_pre_hook(lambda *_: tracker.start("forward")),
-             model.register_forward_hook(lambda *_: tracker.start("backward"))]
+    def make_trainer(output_dir, times):
+        return Trainer(model=model, args=training_arguments(setting, precision, batch, device, output_dir),
+                       train_dataset=random_tokens(model, batch, seq, setting), callbacks=[times])
+
+    return train_phased(model, setting, device, tracker, make_trainer, "avp-trainer-", restore)
+
+
+def train_phased(model, setting: Setting, device: str, tracker: PhaseTracker, make_trainer, prefix: str,
+                 restore_model):
+    """A trainer's train() (the trainer, sft and dpo clients): `make_trainer(output_dir, times)` builds it on
+    `model` under Liger's patches when asked; phases from hooks on the model it trains; returns (seconds per
+    step, optimizer-state bytes). A trainer that wraps adapters itself (TRL's peft_config) puts the trained
+    model's trainable parameters in `tracker.extra`. Afterwards `restore_model(model)`."""
+    from pipeline.training.adapters import trainable_parameters
+
+    set_training_mode(model, Setting())  # checkpointing off: the trainer switches it on when asked
     times = StepTimes(tracker, device)
-    trainer = None
+    trainer, hooks = None, []
     try:
-        with tempfile.TemporaryDirectory(prefix="avp-trainer-") as output_dir, LigerPatches(model):
-            trainer = Trainer(model=model, args=training_arguments(setting, precision, batch, device, output_dir),
-                              train_dataset=random_tokens(model, batch, seq, setting), callbacks=[times])
+        with tempfile.TemporaryDirectory(prefix=prefix) as output_dir, LigerPatches(model):
+            trainer = make_trainer(output_dir, times)
+            trained = trainer.model
+            hooks = [trained.register_forward_pre_hook(lambda *_: tracker.start("forward")),
+                     trained.register_forward_hook(lambda *_: tracker.start("backward"))]
+            if setting.adapter is not None and trained is not model:
+                tracker.extra["trainable_parameters"] = trainable_parameters(trained)
             tracker.start("setup")
             trainer.train()
             tracker.stop()
@@ -116,8 +133,8 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
         if trainer is not None:
             trainer.accelerator.free_memory()
         trainer = None
-        restore(model)
-        gc.collect()  # the Trainer's reference cycles hold the optimizer and its state
+        restore_model(model)
+        gc.collect()  # the trainer's reference cycles hold the optimizer, its state (and DPO's reference model)
 
 
 def restore(model) -> None:
