@@ -135,3 +135,28 @@ def real_tables(directory: Path) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def tables(tmp_path_factory):
     return real_tables(tmp_path_factory.mktemp("tables"))
+
+
+def run_cpu_sweep(tmp_path_factory, configs_path, plan: dict, name: str, processes: int):
+    """A sweep plan (`sweep.parse_plan`'s dict) run in real forked processes on the CPU, each of its `processes`
+    finished. Returns (jobs, the aggregated frame)."""
+    from pipeline.inputs.records import load_model_records
+    from pipeline.measure import sweep
+
+    plan = sweep.parse_plan(plan)
+    records, missing = load_model_records(configs_path, plan.models)
+    assert not missing
+    jobs = sweep.plan_jobs(plan, records)
+    parts = tmp_path_factory.mktemp(name) / "parts"
+    outcomes = sweep.run_sweep(jobs, parts, device="cpu", child_timeout=300, log=lambda line: None)
+    assert outcomes == {"finished": processes, "error": 0, "stopped": 0, "restarted": 0, "not started": 0}
+    return jobs, sweep.aggregate(parts, parts.parent / "peak_memory.parquet")
+
+
+def pick(frame, **where) -> dict:
+    """The one row of `frame` with these column values (None: a missing value)."""
+    rows = frame
+    for column, value in where.items():
+        rows = rows[rows[column].isna()] if value is None else rows[rows[column] == value]
+    assert len(rows) == 1, where
+    return rows.iloc[0].to_dict()

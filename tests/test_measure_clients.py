@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from conftest import pick, run_cpu_sweep
 
 from pipeline.inputs.records import load_model_records
 from pipeline.measure import sweep
@@ -45,7 +46,7 @@ def configs_path(tmp_path_factory) -> Path:
 def client_sweep(configs_path, tmp_path_factory):
     """pythia-14m in fp32 with the loop and with the Trainer (AdamW foreach with K=2, SGD with
     checkpointing, 8-bit AdamW), and tiny-llama's loop in amp-fp16. Returns (jobs, frame)."""
-    plan = sweep.parse_plan({
+    plan = {
         "grid": GRID, "precisions": ["fp32"], "models": [PYTHIA],
         "variants": [
             {"name": "trainer adamw", "client": "trainer", "optim": "adamw_torch", "gradient_accumulation": 2,
@@ -53,22 +54,8 @@ def client_sweep(configs_path, tmp_path_factory):
             {"name": "trainer sgd ckpt", "client": "trainer", "optim": "sgd", "gradient_checkpointing": True,
              "models": [PYTHIA]},
             {"name": "trainer 8-bit", "client": "trainer", "optim": "adamw_bnb_8bit", "models": [PYTHIA]},
-            {"name": "loop fp16", "precisions": ["amp-fp16"], "models": [TINY]}]})
-    records, missing = load_model_records(configs_path, plan.models)
-    assert not missing
-    jobs = sweep.plan_jobs(plan, records)
-    parts = tmp_path_factory.mktemp("clients") / "parts"
-    outcomes = sweep.run_sweep(jobs, parts, device="cpu", child_timeout=300, log=lambda line: None)
-    assert outcomes == {"finished": 3, "error": 0, "stopped": 0, "restarted": 0, "not started": 0}
-    return jobs, sweep.aggregate(parts, parts.parent / "peak_memory.parquet")
-
-
-def pick(frame, **where) -> dict:
-    rows = frame
-    for column, value in where.items():
-        rows = rows[rows[column] == value]
-    assert len(rows) == 1, where
-    return rows.iloc[0].to_dict()
+            {"name": "loop fp16", "precisions": ["amp-fp16"], "models": [TINY]}]}
+    return run_cpu_sweep(tmp_path_factory, configs_path, plan, "clients", processes=3)
 
 
 def test_each_client_has_its_own_process(client_sweep):

@@ -6,13 +6,11 @@ adapters are what can be checked). CUDA is never touched.
 
 from __future__ import annotations
 
-import json
 
 import pytest
-from test_measure_sft import ADAPTERS, GRID, TINY, TINY_CONFIG, pick
+from conftest import pick
+from test_measure_sft import ADAPTERS, TINY, tiny_cpu_sweep
 
-from pipeline.inputs.records import load_model_records
-from pipeline.measure import sweep
 from pipeline.training.points import POINT_KEY
 
 pytest.importorskip("trl")
@@ -22,24 +20,11 @@ pytest.importorskip("trl")
 def dpo_sweep(tmp_path_factory):
     """tiny-llama with DPOTrainer's defaults in bf16-autocast (checkpointing on) at two pair counts, then
     LoRA r=4 with half of each sequence a completion. Returns (jobs, frame)."""
-    configs = {TINY: {"family": "test", "model_type": "llama", "status": "ok", "reason": None,
-                      "config_source": "embedded", "config_revision": None, "config": TINY_CONFIG}}
-    path = tmp_path_factory.mktemp("configs") / "configs.json"
-    path.write_text(json.dumps(configs))
-    plan = sweep.parse_plan({
-        "grid": GRID, "precisions": ["bf16-autocast"], "models": [],
-        "variants": [
-            {"name": "dpo", "client": "dpo", "gradient_checkpointing": True, "models": [TINY],
-             "grid": {"batch_sizes": [1, 2], "seq_lens": [16]}},
-            {"name": "dpo lora", "client": "dpo", "gradient_checkpointing": True, "lora": {"r": 4},
-             "completion_share": 0.5, "models": [TINY]}]})
-    records, missing = load_model_records(path, plan.models)
-    assert not missing
-    jobs = sweep.plan_jobs(plan, records)
-    parts = tmp_path_factory.mktemp("dpo") / "parts"
-    outcomes = sweep.run_sweep(jobs, parts, device="cpu", child_timeout=300, log=lambda line: None)
-    assert outcomes == {"finished": 2, "error": 0, "stopped": 0, "restarted": 0, "not started": 0}
-    return jobs, sweep.aggregate(parts, parts.parent / "peak_memory.parquet")
+    return tiny_cpu_sweep(tmp_path_factory, "dpo", [
+        {"name": "dpo", "client": "dpo", "gradient_checkpointing": True, "models": [TINY],
+         "grid": {"batch_sizes": [1, 2], "seq_lens": [16]}},
+        {"name": "dpo lora", "client": "dpo", "gradient_checkpointing": True, "lora": {"r": 4},
+         "completion_share": 0.5, "models": [TINY]}], processes=2)
 
 
 def test_dpo_points_run_with_their_keys(dpo_sweep):

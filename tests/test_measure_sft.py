@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import pick, run_cpu_sweep
 
 from pipeline.core.errors import UserError
 from pipeline.inputs.records import load_model_records
@@ -34,36 +35,26 @@ def sft_sweep(tmp_path_factory):
     """tiny-llama with SFTTrainer's defaults in bf16-autocast (checkpointing on) at two batch sizes, without
     checkpointing at K=2, LoRA r=4 with half of each row's positions labelled, Liger (skipped: no GPU),
     and the Trainer in bf16-autocast. Returns (jobs, frame)."""
+    return tiny_cpu_sweep(tmp_path_factory, "sft", [
+        {"name": "sft", "client": "sft", "gradient_checkpointing": True, "models": [TINY],
+         "grid": {"batch_sizes": [1, 2], "seq_lens": [16]}},
+        {"name": "sft K=2", "client": "sft", "gradient_accumulation": 2, "models": [TINY]},
+        {"name": "sft lora", "client": "sft", "gradient_checkpointing": True, "lora": {"r": 4},
+         "completion_share": 0.5, "models": [TINY]},
+        {"name": "sft liger", "client": "sft", "gradient_checkpointing": True, "liger_kernel": True,
+         "models": [TINY]},
+        {"name": "trainer", "client": "trainer", "models": [TINY]}], processes=3)
+
+
+def tiny_cpu_sweep(tmp_path_factory, name: str, variants: list, processes: int):
+    """The sweep of `variants` (bf16-autocast) on tiny-llama in real forked processes on the CPU, each of its
+    `processes` finished. Returns (jobs, the aggregated frame)."""
     configs = {TINY: {"family": "test", "model_type": "llama", "status": "ok", "reason": None,
                       "config_source": "embedded", "config_revision": None, "config": TINY_CONFIG}}
     path = tmp_path_factory.mktemp("configs") / "configs.json"
     path.write_text(json.dumps(configs))
-    plan = sweep.parse_plan({
-        "grid": GRID, "precisions": ["bf16-autocast"], "models": [],
-        "variants": [
-            {"name": "sft", "client": "sft", "gradient_checkpointing": True, "models": [TINY],
-             "grid": {"batch_sizes": [1, 2], "seq_lens": [16]}},
-            {"name": "sft K=2", "client": "sft", "gradient_accumulation": 2, "models": [TINY]},
-            {"name": "sft lora", "client": "sft", "gradient_checkpointing": True, "lora": {"r": 4},
-             "completion_share": 0.5, "models": [TINY]},
-            {"name": "sft liger", "client": "sft", "gradient_checkpointing": True, "liger_kernel": True,
-             "models": [TINY]},
-            {"name": "trainer", "client": "trainer", "models": [TINY]}]})
-    records, missing = load_model_records(path, plan.models)
-    assert not missing
-    jobs = sweep.plan_jobs(plan, records)
-    parts = tmp_path_factory.mktemp("sft") / "parts"
-    outcomes = sweep.run_sweep(jobs, parts, device="cpu", child_timeout=300, log=lambda line: None)
-    assert outcomes == {"finished": 3, "error": 0, "stopped": 0, "restarted": 0, "not started": 0}
-    return jobs, sweep.aggregate(parts, parts.parent / "peak_memory.parquet")
-
-
-def pick(frame, **where) -> dict:
-    rows = frame
-    for column, value in where.items():
-        rows = rows[rows[column].isna()] if value is None else rows[rows[column] == value]
-    assert len(rows) == 1, where
-    return rows.iloc[0].to_dict()
+    plan = {"grid": GRID, "precisions": ["bf16-autocast"], "models": [], "variants": variants}
+    return run_cpu_sweep(tmp_path_factory, path, plan, name, processes)
 
 
 def test_sft_points_have_their_own_processes_and_keys(sft_sweep):
