@@ -402,6 +402,17 @@ def adapter_series(full, lora, model_id: str) -> dict:
             "QLoRA nf4 r=16": lora[lora["quantization"].notna()]}
 
 
+def plot_peaks_against_tokens(ax, series: dict, title: str) -> None:
+    """Each {label: measured rows} series as its peak allocated GiB against B x L tokens, log x."""
+    for colour, (label, rows) in enumerate(series.items()):
+        rows = rows.assign(tokens=rows["batch_size"] * rows["seq_len"]).sort_values("tokens")
+        ax.plot(rows["tokens"], rows["peak_allocated_bytes"] / GIB, "o-", ms=4, lw=1, color=f"C{colour}",
+                label=label)
+    ax.set(xscale="log", xlabel="tokens per step B×L", ylabel="peak allocated (GiB)", title=title)
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=7)
+
+
 def draw_full_vs_lora_vs_qlora(results_dir: Path):
     import matplotlib.pyplot as plt
 
@@ -409,13 +420,7 @@ def draw_full_vs_lora_vs_qlora(results_dir: Path):
     figure, axes = plt.subplots(1, len(ADAPTER_MODELS), figsize=(4.2 * len(ADAPTER_MODELS), 4), squeeze=False,
                                 layout="constrained")
     for ax, model_id in zip(axes[0], ADAPTER_MODELS):
-        for colour, (label, rows) in enumerate(adapter_series(full, lora, model_id).items()):
-            rows = rows.assign(tokens=rows["batch_size"] * rows["seq_len"]).sort_values("tokens")
-            ax.plot(rows["tokens"], rows["peak_allocated_bytes"] / GIB, "o-", ms=4, lw=1, color=f"C{colour}",
-                    label=label)
-        ax.set(xscale="log", xlabel="tokens per step B×L", ylabel="peak allocated (GiB)", title=model_id)
-        ax.grid(True, which="both", alpha=0.25)
-        ax.legend(fontsize=7)
+        plot_peaks_against_tokens(ax, adapter_series(full, lora, model_id), model_id)
     figure.suptitle("Full fine-tuning vs LoRA vs QLoRA, bf16, no checkpointing (measured; QLoRA's fp32 upcasts "
                     "of prepare_model_for_kbit_training make it the largest at long sequences)")
     return figure
@@ -447,13 +452,7 @@ def draw_trainer_vs_sft(results_dir: Path):
         if all(part.empty for part in series.values()):
             no_data(ax, f"no ok rows of {model_id}")
             continue
-        for colour, (label, part) in enumerate(series.items()):
-            part = part.assign(tokens=part["batch_size"] * part["seq_len"]).sort_values("tokens")
-            ax.plot(part["tokens"], part["peak_allocated_bytes"] / GIB, "o-", ms=4, lw=1, color=f"C{colour}",
-                    label=label)
-        ax.set(xscale="log", xlabel="tokens per step B×L", ylabel="peak allocated (GiB)", title=model_id)
-        ax.grid(True, which="both", alpha=0.25)
-        ax.legend(fontsize=7)
+        plot_peaks_against_tokens(ax, series, model_id)
     figure.suptitle("transformers.Trainer vs TRL's SFTTrainer (fused LM head, checkpointing) vs SFTTrainer + LoRA, "
                     "bf16 weights under bf16 autocast (measured, H100)")
     return figure
