@@ -91,7 +91,7 @@ def test_distributed_plan_names_registry_models_that_do_not_fit_one_gpu():
     """config/sweep_distributed.yaml: 8+ models with configs, 13B-34B among them, N in 2, 4, 8, ddp and fsdp."""
     from pathlib import Path
 
-    from pipeline.measure.distributed import groups, read_plan
+    from pipeline.measure.distributed.plan import groups, read_plan
     from pipeline.inputs.configs import read_config_records
 
     repo = Path(__file__).resolve().parent.parent
@@ -100,11 +100,11 @@ def test_distributed_plan_names_registry_models_that_do_not_fit_one_gpu():
     assert len(plan["models"]) >= 8 and all(records[m]["status"] == "ok" for m in plan["models"])
     assert {"meta-llama/Llama-2-13b-hf", "codellama/CodeLlama-34b-hf"} <= set(plan["models"])
     assert {"ddp", "fsdp"} <= set(plan["shardings"]) and set(plan["num_gpus"]) == {2, 4, 8}
-    assert {g["num_gpus"] for g in groups(plan, gpus=4)} == {2, 4}
+    assert {g.num_gpus for g in groups(plan, gpus=4)} == {2, 4}
     assert len(groups(plan)) == len(plan["models"]) * 3 * len(plan["shardings"]) * len(plan["precisions"])
 
 
-def test_distributed_dry_run_prints_one_torchrun_per_group(tmp_path):
+def test_distributed_dry_run_prints_one_torchrun_per_point(tmp_path):
     import subprocess
     import sys
 
@@ -114,8 +114,9 @@ def test_distributed_dry_run_prints_one_torchrun_per_group(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pipeline.measure.distributed", "--plan", str(plan), "--dry-run"],
                             capture_output=True, text=True, timeout=120)
     lines = result.stdout.splitlines()
-    assert result.returncode == 0 and len(lines) == 2
-    assert "--nproc-per-node=2" in lines[0] and "--points 1:512,1:2048" in lines[0] and "--sharding fsdp" in lines[0]
+    assert result.returncode == 0 and len(lines) == 4
+    assert "--nproc-per-node=2" in lines[0] and "--batch 1 --seq 512" in lines[0] and "--sharding fsdp" in lines[0]
+    assert "--nproc-per-node=4" in lines[3] and "--batch 1 --seq 2048" in lines[3]
     bad = tmp_path / "bad.yaml"
     bad.write_text("models: [x]\nshardings: [zero3]\ngrid: {batch_sizes: [1], seq_lens: [8]}\n")
     result = subprocess.run([sys.executable, "-m", "pipeline.measure.distributed", "--plan", str(bad), "--dry-run"],
@@ -124,8 +125,9 @@ def test_distributed_dry_run_prints_one_torchrun_per_group(tmp_path):
 
 
 def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
-    """The GPU measurement path for real on the CPU: torchrun with 2 gloo ranks, ddp and fsdp, a tiny
-    llama; one ok row per group with its num_gpus and sharding (CUDA peaks are empty on the CPU)."""
+    """The GPU measurement path for real on the CPU: torchrun with 2 gloo ranks, a tiny llama: the loop under ddp
+    and fsdp, SFTTrainer with LoRA under DDP; one ok row per rank with its num_gpus, sharding and rank (CUDA peaks
+    are empty on the CPU)."""
     import json
     import subprocess
     import sys
@@ -133,8 +135,9 @@ def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
     import pandas as pd
 
     plan = tmp_path / "plan.yaml"
-    plan.write_text("models: [test/tiny-llama]\nnum_gpus: [2]\nshardings: [ddp, fsdp]\n"
-                    "grid: {batch_sizes: [2], seq_lens: [16]}\n")
+    plan.write_text("models: [test/tiny-llama]\nnum_gpus: [2]\ngrid: {batch_sizes: [2], seq_lens: [16]}\ngroups:\n"
+                    "  - {clients: [loop], shardings: [ddp, fsdp]}\n"
+                    "  - {clients: [sft], shardings: [ddp], adapters: [lora]}\n")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -145,5 +148,15 @@ def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = pd.read_parquet(out)
-    assert sorted(rows["sharding"]) == ["ddp", "fsdp"] and set(rows["num_gpus"]) == {2}
     assert set(rows["status"]) == {"ok"}, rows["reason"].tolist()
+    assert sorted(zip(rows["client"], rows["sharding"], rows["rank"])) == [
+        ("loop", "ddp", 0), ("loop", "ddp", 1), ("loop", "fsdp", 0), ("loop", "fsdp", 1), ("sft", "ddp", 0),
+        ("sft", "ddp", 1)]
+    assert set(rows["num_gpus"]) == {2} and set(rows["first_in_process"]) == {True}
+    sft = rows[rows["client"] == "sft"]
+    # LoRA r=16, r x (in + out) on q, k, v, o (64, 48, 48, 64) and gate, up, down (96 each): 8,192 a layer, 2 layers
+    assert set(sft["lora_r"]) == {16} and sft["trainable_parameters"].nunique() == 1
+    assert sft["trainable_parameters"].iloc[0] == 16_384
+    loop = rows[rows["client"] == "loop"].set_index(["sharding", "rank"])
+    # AdamW's two moments of every parameter on each DDP rank, of half of them on each FSDP2 rank
+    assert loop.loc[("ddp", 0), "optimizer_state_bytes"] > 1.9 * loop.loc[("fsdp", 0), "optimizer_state_bytes"]

@@ -74,10 +74,18 @@ def dataset_pairs(setting: Setting, batch: int) -> int:
 
 def reference_model(model, setting: Setting, device: str):
     """DPOTrainer's `ref_model` for `model`: a second copy built like it (its config, dtype, attention
-    implementation) on `device` with random weights, or None with adapters (the base serves)."""
+    implementation) with random weights on `device`, then where `model` is (the host, on several GPUs), or None
+    with adapters (the base serves)."""
     if setting.adapter is not None:
         return None
     from pipeline.inputs.modeling import build_model
 
-    return build_model(model.config, device=device, dtype=model.dtype,
-                       attn_implementation=getattr(model.config, "_attn_implementation", None))
+    reference = build_model(model.config, device=device, dtype=model.dtype,
+                            attn_implementation=getattr(model.config, "_attn_implementation", None))
+    if reference.device != model.device:  # several GPUs: on the host, as the policy (random weights made on the GPU)
+        import torch
+
+        reference.to(model.device)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return reference

@@ -4,6 +4,10 @@
 `shard(model, sharding, mesh)`: `fully_shard` on each decoder layer (`inputs.modeling.decoder_layers`:
 transformers' `_no_split_modules` classes) and on the root, `reshard_after_forward` true (`fsdp`) or
 false (`fsdp-no-reshard`); or `DistributedDataParallel` with its defaults (`ddp`).
+
+`sharding_arguments(sharding, model)`: the keys of TrainingArguments (SFTConfig, DPOConfig) with which the
+Trainer clients run that sharding under `torchrun --nproc_per_node N`: none for DDP (what the Trainer does with
+several processes), FSDP2 through accelerate's plugin for fsdp and fsdp-no-reshard.
 """
 
 from __future__ import annotations
@@ -54,3 +58,16 @@ def fake_allreduce_hook(state, bucket):
     future = torch.futures.Future()
     future.set_result(buffer)
     return future
+
+
+def sharding_arguments(sharding: str | None, model) -> dict:
+    """TrainingArguments' keys for `sharding` (see the module docstring): `fsdp=True` and an `fsdp_config` of
+    FSDP2 (`version` 2) wrapping the model's decoder layer classes, resharded after forward (fsdp) or not
+    (fsdp-no-reshard); nothing for one GPU or DDP."""
+    if sharding in (None, "ddp"):
+        return {}
+    classes = sorted({type(layer).__name__ for layer in decoder_layers(model)})
+    if not classes:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules)")
+    return {"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": sharding == "fsdp",
+                                          "transformer_layer_cls_to_wrap": classes}}

@@ -12,10 +12,11 @@ A `Setting` also names the client that runs the steps (`loop`: the step above; `
 transformers.Trainer; `sft`: TRL's SFTTrainer, see pipeline.measure.clients), its optimizer by
 transformers name (`optim`), the gradient accumulation (micro-batches per optimizer step, the Trainer
 clients' only), the adapters (`adapter`: LoRA or QLoRA, pipeline.training.adapters; None for full
-fine-tuning), Liger's kernels (`liger_kernel`: `use_liger_kernel=True` of the Trainer clients) and the
+fine-tuning), Liger's kernels (`liger_kernel`: `use_liger_kernel=True` of the Trainer clients), the
 share of positions that carry a label (`completion_share`, SFTTrainer's prompt-completion data with
-`completion_only_loss`; 1.0 everywhere else). The optimizer takes the parameters that require
-gradients: all of them, or the adapters' on a frozen base.
+`completion_only_loss`; 1.0 everywhere else) and, on several GPUs, the sharding the client's arguments
+launch (`sharding`: `pipeline.training.sharding.sharding_arguments`; None on one GPU). The optimizer
+takes the parameters that require gradients: all of them, or the adapters' on a frozen base.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 from pipeline.training.adapters import AdapterSpec
 from pipeline.core.errors import UserError
 from pipeline.inputs.modeling import vocabulary_size
-from pipeline.core.vocabulary import (CLIENTS, OPTIM_OF_LOOP_OPTIMIZER, OPTIMIZERS, OPTIMS, TRAINER_CLIENTS, TRL_CLIENTS,
-                                      VARIANTS, check_choice, check_positive_int, precision_mode)
+from pipeline.core.vocabulary import (CLIENTS, OPTIM_OF_LOOP_OPTIMIZER, OPTIMIZERS, OPTIMS, SHARDINGS, TRAINER_CLIENTS,
+                                      TRL_CLIENTS, VARIANTS, check_choice, check_positive_int, precision_mode)
 
 STEPS = 3
 BLOG_ID_RANGE = 100  # the blog's ids: torch.randint(0, 100, (B, L))
@@ -58,6 +59,7 @@ class Setting:
     adapter: AdapterSpec | None = None
     liger_kernel: bool = False
     completion_share: float = 1.0
+    sharding: str | None = None  # several GPUs (vocabulary.SHARDINGS); None: one GPU
 
     def __post_init__(self):
         if self.client == "loop":
@@ -80,7 +82,7 @@ class Setting:
         return cls(row.get("variant") or "standard", row.get("optimizer"), bool(row.get("gradient_checkpointing")),
                    client, row.get("optim") if client != "loop" else None, row.get("gradient_accumulation") or 1,
                    AdapterSpec.from_row(row), bool(row.get("liger_kernel") or False),
-                   1.0 if share is None or share != share else float(share))
+                   1.0 if share is None or share != share else float(share), row.get("sharding") or None)
 
     def check(self) -> None:
         check_choice("client", self.client, CLIENTS)
@@ -113,6 +115,8 @@ class Setting:
             raise UserError(f"liger_kernel is use_liger_kernel of the Trainer clients ({', '.join(TRAINER_CLIENTS)}), "
                             f"not of the {self.client} client")
         check_share(self.completion_share)
+        if self.sharding is not None:
+            check_choice("sharding", self.sharding, SHARDINGS)
         if self.completion_share != 1.0 and self.client not in TRL_CLIENTS:
             raise UserError(f"completion_share is TRL's trainers' ({', '.join(TRL_CLIENTS)}), not the {self.client} "
                             "client's")

@@ -68,7 +68,10 @@ def train_trl(model, setting: Setting, device: str, tracker: PhaseTracker, make_
     times, extra)` builds it on `model` (`extra`: use_cpu on a CPU). Afterwards the model is as it was."""
     import datasets
 
+    from pipeline.training.sharding import sharding_arguments
+
     datasets.disable_progress_bars()
     extra = {"use_cpu": True} if device == "cpu" else {}
+    extra.update(sharding_arguments(setting.sharding, model))
     return train_phased(model, setting, device, tracker, lambda output_dir, times: make_trainer(output_dir, times, extra),
                         prefix, lambda built: set_training_mode(built, Setting()))

@@ -64,6 +64,12 @@ class PhaseTracker:
             self.reserved = max(self.reserved or 0, torch.cuda.max_memory_reserved())
         self.current = None
 
+    def restart(self, name: str) -> None:
+        """Start phase `name` afresh, forgetting what the current phase has seen so far (on several GPUs the
+        peak counter is reset when training begins: the sharding and wrapping before it are not counted)."""
+        self.current = None
+        self.start(name)
+
     @contextlib.contextmanager
     def phase(self, name: str):
         self.start(name)

@@ -31,6 +31,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from pipeline.measure.clients.tracking import PhaseTracker, optimizer_state_bytes
 from pipeline.training.liger import LigerPatches
+from pipeline.training.sharding import sharding_arguments
 from pipeline.inputs.modeling import vocabulary_size
 from pipeline.training.step import STEPS, Setting, mixed_precision_args, set_training_mode
 
@@ -62,11 +63,17 @@ class RandomTokens(torch.utils.data.Dataset):
 
 
 class StepTimes(TrainerCallback):
-    """Seconds of each optimizer step (on_step_begin to on_step_end) and the optimizer phase's start."""
+    """Seconds of each optimizer step (on_step_begin to on_step_end) and the optimizer phase's start; on
+    several GPUs (`sharded`) the peak counter reset when training begins (on_train_begin: after the Trainer
+    wrapped the model in DDP or sharded it with FSDP2 and made the optimizer)."""
 
-    def __init__(self, tracker: PhaseTracker, device: str):
-        self.tracker, self.cuda = tracker, device == "cuda"
+    def __init__(self, tracker: PhaseTracker, device: str, sharded: bool = False):
+        self.tracker, self.cuda, self.sharded = tracker, device == "cuda", sharded
         self.started, self.seconds = None, []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.sharded:
+            self.tracker.restart("setup")
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.started = time.perf_counter()
@@ -80,8 +87,10 @@ class StepTimes(TrainerCallback):
         self.seconds.append(time.perf_counter() - self.started)
 
 
-def training_arguments(setting: Setting, precision: str, batch: int, device: str, output_dir: str):
+def training_arguments(setting: Setting, precision: str, batch: int, device: str, output_dir: str, model=None):
+    """The point's TrainingArguments (`model`: the one trained, whose decoder layers FSDP2 wraps)."""
     extra = {"use_cpu": True} if device == "cpu" else {}
+    extra.update(sharding_arguments(setting.sharding, model))
     return TrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch, max_steps=STEPS,
                              gradient_accumulation_steps=setting.gradient_accumulation,
                              **mixed_precision_args(precision),
@@ -98,7 +107,7 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
               tracker: PhaseTracker, use_cache: bool):
     """Trainer.train() for three optimizer steps; returns (seconds per step, optimizer-state bytes)."""
     def make_trainer(output_dir, times):
-        return Trainer(model=model, args=training_arguments(setting, precision, batch, device, output_dir),
+        return Trainer(model=model, args=training_arguments(setting, precision, batch, device, output_dir, model),
                        train_dataset=random_tokens(model, batch, seq, setting), callbacks=[times])
 
     return train_phased(model, setting, device, tracker, make_trainer, "avp-trainer-", restore)
@@ -113,7 +122,7 @@ def train_phased(model, setting: Setting, device: str, tracker: PhaseTracker, ma
     from pipeline.training.adapters import trainable_parameters
 
     set_training_mode(model, Setting())  # checkpointing off: the trainer switches it on when asked
-    times = StepTimes(tracker, device)
+    times = StepTimes(tracker, device, sharded=setting.sharding is not None)
     trainer, hooks = None, []
     try:
         with tempfile.TemporaryDirectory(prefix=prefix) as output_dir, LigerPatches(model):

@@ -1,0 +1,5 @@
+import sys
+
+from pipeline.measure.distributed.cli import main
+
+sys.exit(main())

@@ -1,0 +1,124 @@
+"""A plan of several-GPU points: which models, clients, shardings, GPU counts, adapters and (B, L) to
+measure, read from YAML and laid out as groups of points that run smallest first.
+
+    models: [Qwen/Qwen2.5-1.5B, ...]     # every key but `groups` is a default of each group
+    clients: [trainer, sft]               # loop, trainer, sft, dpo
+    precisions: [bf16-autocast]           # default: the client's (bf16 weights under bf16 autocast; loop: bf16)
+    num_gpus: [2, 4]
+    shardings: [ddp, fsdp]
+    adapters: [full, lora]                # lora: LoRA r=16, alpha 32, all linear layers
+    checkpointing: [true]
+    grid: {batch_sizes: [1, 4], seq_lens: [512, 2048]}   # or points: [[1, 512], [4, 2048]]
+    split: tuned                          # or held-out: kept out of everything tuned
+    timeout_seconds: 240                  # one point's torchrun
+    groups:                               # optional: blocks that override the defaults above
+      - {models: [...], clients: [dpo], num_gpus: [2]}
+
+A group is one (model, client, precision, N, sharding, adapter, checkpointing); its points run one torchrun each
+(every point is its process's first), smallest first, and an out-of-memory point settles every larger one
+(B' >= B and L' >= L) of its group as oom without running it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.core.errors import UserError
+from pipeline.core.vocabulary import CLIENTS, PRECISIONS, SHARDINGS, SPLITS, check_choice
+
+DEFAULT_KEYS = {"models", "clients", "precisions", "num_gpus", "shardings", "adapters", "checkpointing", "grid",
+                "points", "split", "timeout_seconds", "configs"}
+PLAN_KEYS = DEFAULT_KEYS | {"groups"}
+ADAPTERS = ("full", "lora")
+# The precision a client runs on a model loaded in bf16 (the Trainer clients with bf16=True: bf16-autocast).
+DEFAULT_PRECISION = {"loop": "bf16", "trainer": "bf16-autocast", "sft": "bf16-autocast", "dpo": "bf16-autocast"}
+DEFAULT_TIMEOUT = 240
+
+
+@dataclass(frozen=True)
+class Group:
+    """One setting on N GPUs; `points` are its (B, L), smallest first."""
+
+    model_id: str
+    client: str
+    precision: str
+    num_gpus: int
+    sharding: str
+    adapter: str
+    checkpointing: bool
+    points: tuple
+    split: str = "tuned"
+    timeout: int = DEFAULT_TIMEOUT
+
+    @property
+    def key(self) -> tuple:
+        return (self.model_id, self.client, self.precision, self.num_gpus, self.sharding, self.adapter,
+                self.checkpointing)
+
+    def rank_arguments(self, batch: int, seq: int) -> list[str]:
+        """The arguments of `python -m pipeline.measure.distributed rank` for one point of the group."""
+        return ["--model", self.model_id, "--client", self.client, "--precision", self.precision,
+                "--sharding", self.sharding, "--adapter", self.adapter, "--batch", str(batch), "--seq", str(seq),
+                "--split", self.split] + (["--checkpointing"] if self.checkpointing else [])
+
+
+def read_plan(path) -> dict:
+    import yaml
+
+    try:
+        plan = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"{path}: cannot read the plan ({type(exc).__name__})") from None
+    if not isinstance(plan, dict) or set(plan) - PLAN_KEYS:
+        raise UserError(f"{path}: a plan is a mapping of {', '.join(sorted(PLAN_KEYS))}")
+    for block in plan.get("groups") or [{}]:
+        if not isinstance(block, dict) or set(block) - DEFAULT_KEYS:
+            raise UserError(f"{path}: each of groups is a mapping of {', '.join(sorted(DEFAULT_KEYS))}")
+        check_block({**plan, **block}, path)
+    return plan
+
+
+def check_block(block: dict, path) -> None:
+    if not block.get("models") or not ("grid" in block or "points" in block):
+        raise UserError(f"{path}: every group needs models and a grid (or points)")
+    for client in block.get("clients", ["loop"]):
+        check_choice("client", client, CLIENTS)
+    for precision in block.get("precisions", []):
+        check_choice("precision", precision, PRECISIONS)
+    for sharding in block.get("shardings", ["ddp", "fsdp"]):
+        check_choice("sharding", sharding, SHARDINGS)
+    for adapter in block.get("adapters", ["full"]):
+        check_choice("adapter", adapter, ADAPTERS)
+    check_choice("split", block.get("split", "tuned"), SPLITS)
+
+
+def groups(plan: dict, gpus: int | None = None) -> list[Group]:
+    """Every group of the plan with N within the GPUs there are (all when `gpus` is None)."""
+    found = []
+    for block in plan.get("groups") or [{}]:
+        merged = {key: value for key, value in plan.items() if key != "groups"}
+        merged.update(block)
+        found.extend(block_groups(merged, gpus))
+    return found
+
+
+def block_groups(block: dict, gpus: int | None) -> list[Group]:
+    if "points" in block:
+        points = [tuple(point) for point in block["points"]]
+    else:
+        points = [(b, l) for b in block["grid"]["batch_sizes"] for l in block["grid"]["seq_lens"]]
+    points = tuple(sorted(points, key=lambda p: (p[0] * p[1], p[0])))
+    return [Group(model, client, precision, n, sharding, adapter, bool(checkpointing), points,
+                  block.get("split", "tuned"), int(block.get("timeout_seconds", DEFAULT_TIMEOUT)))
+            for n in sorted(block.get("num_gpus", [2])) if gpus is None or n <= gpus
+            for model in block["models"] for client in block.get("clients", ["loop"])
+            for precision in block.get("precisions") or [DEFAULT_PRECISION[client]]
+            for sharding in block.get("shardings", ["ddp", "fsdp"])
+            for adapter in block.get("adapters", ["full"])
+            for checkpointing in block.get("checkpointing", [client in ("sft", "dpo")])]
+
+
+def settled_by(point: tuple, oom_at: list) -> tuple | None:
+    """The smaller out-of-memory point that settles `point` (B' >= B and L' >= L), or None."""
+    return next((o for o in oom_at if point[0] >= o[0] and point[1] >= o[1]), None)

@@ -1,0 +1,167 @@
+"""One rank of one several-GPU point, under `torchrun --nproc-per-node N`: every rank measures itself and
+writes its own row (`rank{r}.json` in the point's folder), so that a rank that differs is seen as itself.
+
+The loop client (the standard step): the model built on the meta device and sharded by
+`pipeline.training.sharding.shard` (FSDP2), then given storage on the GPU, or built on the GPU and wrapped in
+DDP; the peak counter reset before the first step. The Trainer clients (trainer, sft, dpo): what a
+`torchrun` of their script runs, DDP by default and FSDP2 through `sharding_arguments`: the model is built
+with random weights on the GPU and moved to the CPU (as `from_pretrained` leaves it, in its dtype), the
+Trainer wraps or shards it, and the peak counter is reset when training begins (`on_train_begin`).
+
+Beside the peaks each row holds what the reserved bytes do not: `nvml_used_bytes` (the process on its GPU,
+NVML) and `nvml_context_bytes` (the same before the first collective, minus the reserved bytes then: the
+CUDA context without NCCL), and `reserved_by_stream` (the caching allocator's segments by CUDA stream at the
+end, JSON: FSDP2's all-gather and reduce-scatter streams keep pools of their own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from pipeline.measure.point import base_columns, build_point_model, finish_row, measure_point
+
+EXTRA_COLUMNS = ("num_gpus", "sharding", "rank", "split", "first_in_process", "nvml_context_bytes",
+                 "reserved_by_stream")
+
+
+def measure_rank(args) -> dict:
+    """This rank's row of the point `args` names (status ok, oom or error)."""
+    import torch
+
+    from pipeline.inputs.records import model_record
+    from pipeline.measure.device import setup_device
+    from pipeline.training.adapters import AdapterSpec
+    from pipeline.training.step import Setting
+
+    local_rank, rank = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    record = model_record(None if args.config else args.model, args.config, args.configs)
+    adapter = AdapterSpec.make(16) if args.adapter == "lora" else None
+    setting = Setting(client=args.client, gradient_checkpointing=args.checkpointing, adapter=adapter,
+                      sharding=None if args.client == "loop" else args.sharding)
+    row = base_columns(record, args.precision, "default", setting, args.batch, args.seq)
+    row.update(setup_device(device, allow_tf32=True))
+    row.update(num_gpus=world, sharding=args.sharding, rank=rank, split=args.split, first_in_process=True)
+    if args.client == "loop":
+        row.update(loop_point(record, args.precision, args.sharding, args.batch, args.seq, device, local_rank))
+    else:
+        model, built = model_on_host(record, setting, args.precision, device)
+        row.update(built, step_flops=6.0 * built["parameters"] * args.batch * args.seq)
+        row.update(context_columns(device))
+        row.update(measure_point(model, setting, args.precision, args.batch, args.seq, device))
+    if device == "cuda" and row.get("status") == "ok":
+        row["reserved_by_stream"] = json.dumps(reserved_by_stream())
+    extra = {column: row.get(column) for column in EXTRA_COLUMNS}
+    return {**finish_row(row), **extra}
+
+
+def model_on_host(record, setting, precision: str, device: str):
+    """The point's model (with its adapters where the client does not wrap them) built with random weights on
+    the GPU, then moved to the CPU; the allocator emptied and its peaks reset, as in a fresh process."""
+    import torch
+
+    model, built = build_point_model(record, setting, precision, "default", device)
+    if device == "cuda":
+        model.to("cpu")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return model, built
+
+
+def context_columns(device: str) -> dict:
+    """The process's memory on its GPU outside the allocator before any collective (CUDA context, kernels)."""
+    import torch
+
+    from pipeline.measure.nvml import nvml_columns
+
+    used = nvml_columns(device)["nvml_used_bytes"]
+    if used is None:
+        return {"nvml_context_bytes": None}
+    return {"nvml_context_bytes": used - torch.cuda.memory_reserved()}
+
+
+def reserved_by_stream() -> dict:
+    """Bytes of the allocator's segments per CUDA stream (a stream's pool serves that stream only)."""
+    import torch
+
+    found: dict[str, int] = {}
+    for segment in torch.cuda.memory_snapshot():
+        stream = str(segment.get("stream", 0))
+        found[stream] = found.get(stream, 0) + int(segment["total_size"])
+    return found
+
+
+def loop_point(record, precision: str, sharding: str, batch: int, seq: int, device: str, local_rank: int) -> dict:
+    """The standard step on the sharded model, three times (the loop client's steps); never raises."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from pipeline.core.text import first_line
+    from pipeline.measure.clients.loop import run_steps
+    from pipeline.measure.clients.tracking import PhaseTracker
+    from pipeline.measure.nvml import nvml_columns
+    from pipeline.measure.point import is_out_of_memory
+    from pipeline.training.step import Setting
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", device_id=local_rank if device == "cuda" else None)
+    tracker = PhaseTracker(device)
+    columns = {"status": "ok", "reason": None, "started_at": time.time(),
+               "allocated_before_bytes": torch.cuda.memory_allocated() if device == "cuda" else None}
+    model = module = None
+    try:
+        model, module = build_sharded(record, precision, sharding, device, local_rank)
+        columns["weights_bytes"] = torch.cuda.memory_allocated() if device == "cuda" else None
+        columns.update(context_columns(device) if device == "cuda" else {})
+        seconds, state = run_steps(model, Setting(), precision, batch, seq, device, tracker, use_cache=False,
+                                   module=module)
+        median = sorted(seconds)[len(seconds) // 2]
+        columns.update(tracker.columns(), step_seconds=median, steps=len(seconds), optimizer_state_bytes=state,
+                       tokens_per_second=batch * seq / median if median > 0 else None, **nvml_columns(device))
+    except Exception as exc:  # noqa: BLE001 - a failing point is a row
+        oom = is_out_of_memory(exc)
+        where = f" in {tracker.current}" if tracker.current else ""
+        columns.update(status="oom" if oom else "error",
+                       reason=f"{'out of memory' if oom else 'failed'}{where}: {first_line(exc)}")
+    del model, module
+    gc.collect()
+    columns["finished_at"] = time.time()
+    return columns
+
+
+def build_sharded(record, precision: str, sharding: str, device: str, local_rank: int):
+    """(model, the module to call): FSDP2 from the meta device, DDP on the GPU; peaks reset after."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeline.inputs.modeling import build
+    from pipeline.training.sharding import shard
+
+    config = record.transformers_config()
+    target = torch.device(device, local_rank) if device == "cuda" else torch.device("cpu")
+    if sharding == "ddp":
+        model = build(config, precision, "default", device=str(target))
+        module = shard(model, sharding, device_ids=[local_rank] if device == "cuda" else None)
+    else:
+        model = build(config, precision, "default", device="meta")
+        module = shard(model, sharding, init_device_mesh(device, (dist.get_world_size(),)))
+        model.to_empty(device=target)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    return model, module
+
+
+def write_row(row: dict, folder) -> None:
+    path = Path(folder) / f"rank{row['rank']}.json"
+    path.write_text(json.dumps(row, default=str))
