@@ -52,8 +52,8 @@ def main() -> None:
 
     from pipeline.inputs.records import model_record
     from pipeline.measure.clients.loop import run_steps
-    from pipeline.measure.clients.tracking import PhaseTracker
-    from pipeline.measure.distributed.rank import build_sharded, reserved_by_stream
+    from pipeline.measure.clients.tracking import PhaseTracker, reserved_by_stream
+    from pipeline.measure.distributed.rank import build_sharded
     from pipeline.measure.nvml import nvml_columns
     from pipeline.training.step import Setting
 

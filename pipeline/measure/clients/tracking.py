@@ -27,6 +27,18 @@ def optimizer_state_bytes(optimizer, device: str) -> int:
     return storage_bytes(tensors)
 
 
+def reserved_by_stream() -> dict:
+    """Bytes of the CUDA allocator's segments per stream (a stream's pool serves that stream only; FSDP2
+    all-gathers and reduce-scatters on streams of its own)."""
+    import torch
+
+    found: dict[str, int] = {}
+    for segment in torch.cuda.memory_snapshot():
+        stream = str(segment.get("stream", 0))
+        found[stream] = found.get(stream, 0) + int(segment["total_size"])
+    return found
+
+
 class PhaseTracker:
     """Peak allocated bytes per phase (forward, backward, optimizer), maximised over the steps.
 

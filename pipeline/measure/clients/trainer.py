@@ -29,7 +29,7 @@ import time
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from pipeline.measure.clients.tracking import PhaseTracker, optimizer_state_bytes
+from pipeline.measure.clients.tracking import PhaseTracker, optimizer_state_bytes, reserved_by_stream
 from pipeline.training.liger import LigerPatches
 from pipeline.training.sharding import sharding_arguments
 from pipeline.inputs.modeling import vocabulary_size
@@ -74,6 +74,16 @@ class StepTimes(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if self.sharded:
             self.tracker.restart("setup")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """On several GPUs, what the process holds before the trainer lets go: its NVML figure and the
+        allocator's segments (the memory outside PyTorch is the difference; the segments by stream)."""
+        if self.sharded and self.cuda:
+            from pipeline.measure.nvml import nvml_columns
+
+            self.tracker.extra.update(nvml_train_end_bytes=nvml_columns("cuda")["nvml_used_bytes"],
+                                      reserved_train_end_bytes=torch.cuda.memory_reserved(),
+                                      reserved_by_stream=reserved_by_stream())
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.started = time.perf_counter()

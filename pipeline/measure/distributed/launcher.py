@@ -1,8 +1,8 @@
 """The driver of a several-GPU plan: one `torchrun` per point, in slots of the machine's GPUs.
 
 The GPUs are cut into slots of N (`CUDA_VISIBLE_DEVICES`: on 4 GPUs, two groups of 2 run side by side, each
-torchrun on its own rendezvous port); a group's points run in order, smallest first, and an out-of-memory
-point settles the larger ones (`plan.settled_by`). Every rank's row is appended to `<out>.jsonl` as its
+torchrun `--standalone`, on a rendezvous port of its own); a group's points run in order, smallest first, and
+an out-of-memory point settles the larger ones (`plan.settled_by`). Every rank's row is appended to `<out>.jsonl` as its
 point ends (resumable: points already there are not run again) and the table is written at the end. A point
 whose torchrun outlives its timeout is killed with its process group and recorded as an error. NVLink
 multicast stays off (NCCL_NVLS_ENABLE=0 and the two variables beside it: it reserves memory outside
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -198,8 +197,8 @@ class Scheduler:
 
 
 def torchrun_command(group: Group, batch: int, seq: int, plan: dict, folder, config_path) -> list[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={group.num_gpus}",
-               f"--master-port={_free_port()}", "-m", "pipeline.measure.distributed", "rank",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={group.num_gpus}",
+               "-m", "pipeline.measure.distributed", "rank",
                *group.rank_arguments(batch, seq), "--configs", str(plan.get("configs", CONFIGS)), "--out", str(folder)]
     return command + (["--config", config_path] if config_path else [])
 
@@ -208,12 +207,6 @@ def read_rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _gpu_count() -> int:

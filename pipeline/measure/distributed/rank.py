@@ -8,10 +8,11 @@ DDP; the peak counter reset before the first step. The Trainer clients (trainer,
 with random weights on the GPU and moved to the CPU (as `from_pretrained` leaves it, in its dtype), the
 Trainer wraps or shards it, and the peak counter is reset when training begins (`on_train_begin`).
 
-Beside the peaks each row holds what the reserved bytes do not: `nvml_used_bytes` (the process on its GPU,
-NVML) and `nvml_context_bytes` (the same before the first collective, minus the reserved bytes then: the
-CUDA context without NCCL), and `reserved_by_stream` (the caching allocator's segments by CUDA stream at the
-end, JSON: FSDP2's all-gather and reduce-scatter streams keep pools of their own).
+Beside the peaks each row holds what the reserved bytes do not: `nvml_context_bytes` (the process's NVML
+figure before the first collective minus the reserved bytes then: the CUDA context without NCCL), and at the
+end of training, before anything is let go, `nvml_train_end_bytes` and `reserved_train_end_bytes` (their
+difference is the memory outside PyTorch, NCCL's included) and `reserved_by_stream` (the caching allocator's
+segments by CUDA stream, JSON: FSDP2's all-gather and reduce-scatter streams keep pools of their own).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from pipeline.measure.point import base_columns, build_point_model, finish_row, measure_point
 
 EXTRA_COLUMNS = ("num_gpus", "sharding", "rank", "split", "first_in_process", "nvml_context_bytes",
-                 "reserved_by_stream")
+                 "nvml_train_end_bytes", "reserved_train_end_bytes", "reserved_by_stream")
 
 
 def measure_rank(args) -> dict:
@@ -55,8 +56,8 @@ def measure_rank(args) -> dict:
         row.update(built, step_flops=6.0 * built["parameters"] * args.batch * args.seq)
         row.update(context_columns(device))
         row.update(measure_point(model, setting, args.precision, args.batch, args.seq, device))
-    if device == "cuda" and row.get("status") == "ok":
-        row["reserved_by_stream"] = json.dumps(reserved_by_stream())
+    if isinstance(row.get("reserved_by_stream"), dict):
+        row["reserved_by_stream"] = json.dumps(row["reserved_by_stream"])
     extra = {column: row.get(column) for column in EXTRA_COLUMNS}
     return {**finish_row(row), **extra}
 
@@ -87,17 +88,6 @@ def context_columns(device: str) -> dict:
     return {"nvml_context_bytes": used - torch.cuda.memory_reserved()}
 
 
-def reserved_by_stream() -> dict:
-    """Bytes of the allocator's segments per CUDA stream (a stream's pool serves that stream only)."""
-    import torch
-
-    found: dict[str, int] = {}
-    for segment in torch.cuda.memory_snapshot():
-        stream = str(segment.get("stream", 0))
-        found[stream] = found.get(stream, 0) + int(segment["total_size"])
-    return found
-
-
 def loop_point(record, precision: str, sharding: str, batch: int, seq: int, device: str, local_rank: int) -> dict:
     """The standard step on the sharded model, three times (the loop client's steps); never raises."""
     import gc
@@ -107,7 +97,7 @@ def loop_point(record, precision: str, sharding: str, batch: int, seq: int, devi
 
     from pipeline.core.text import first_line
     from pipeline.measure.clients.loop import run_steps
-    from pipeline.measure.clients.tracking import PhaseTracker
+    from pipeline.measure.clients.tracking import PhaseTracker, reserved_by_stream
     from pipeline.measure.nvml import nvml_columns
     from pipeline.measure.point import is_out_of_memory
     from pipeline.training.step import Setting
@@ -127,6 +117,9 @@ def loop_point(record, precision: str, sharding: str, batch: int, seq: int, devi
         median = sorted(seconds)[len(seconds) // 2]
         columns.update(tracker.columns(), step_seconds=median, steps=len(seconds), optimizer_state_bytes=state,
                        tokens_per_second=batch * seq / median if median > 0 else None, **nvml_columns(device))
+        if device == "cuda":
+            columns.update(nvml_train_end_bytes=columns["nvml_used_bytes"],
+                           reserved_train_end_bytes=torch.cuda.memory_reserved(), reserved_by_stream=reserved_by_stream())
     except Exception as exc:  # noqa: BLE001 - a failing point is a row
         oom = is_out_of_memory(exc)
         where = f" in {tracker.current}" if tracker.current else ""
