@@ -1,4 +1,4 @@
-"""Per-GPU peak of the standard step under DDP and FSDP2, simulated (pipeline.simulate.distributed),
+"""Per-GPU peak of the standard step under DDP and FSDP2, simulated (pipeline.simulate.distributed.peak),
 for a few large registry models: the README's several-GPU table.
 
     python benchmarks/distributed_table.py     # -> benchmarks/results/distributed_table.md
@@ -19,7 +19,7 @@ def main() -> None:
     from pipeline.inputs.configs import read_config_records
     from pipeline.core.io import write_text
     from pipeline.simulate import loop_peak
-    from pipeline.simulate.distributed import distributed_peak
+    from pipeline.simulate.distributed.peak import distributed_peak
     from pipeline.training.values import Run
 
     records = read_config_records(ROOT / "results/configs.json")

@@ -1,4 +1,4 @@
-"""Accuracy of the Trainer simulator (`pipeline.simulate.trainer`) against the measured Trainer rows,
+"""Accuracy of the Trainer simulator (`pipeline.simulate.clients.trainer`) against the measured Trainer rows,
 per GPU table, per setting group (optim / precision / checkpointing / K), and per process position.
 
     python benchmarks/trainer_accuracy.py [--tables trainer/h100 ...] [--workers 2] [--report-only]
@@ -74,7 +74,7 @@ def predict_point(point: dict) -> dict:
 
     from pipeline.inputs.configs import read_config_records
     from pipeline.simulate.predict import as_config, cached_meta_model, config_key, meta_attention
-    from pipeline.simulate.trainer import simulate_trainer, trainer_peak
+    from pipeline.simulate.clients.trainer import simulate_trainer, trainer_peak
     from pipeline.training.values import Run
 
     start = time.perf_counter()

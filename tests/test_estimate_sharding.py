@@ -1,5 +1,5 @@
 """`estimate` for several GPUs (num_gpus, sharding): the exact method runs the DDP / FSDP2
-simulation (pipeline.simulate.distributed, checked against a real gloo run in test_simulate_distributed.py),
+simulation (pipeline.simulate.distributed.peak, checked against a real gloo run in test_simulate_distributed.py),
 the closed forms shard their terms, bad options are one line."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ TINY = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_siz
 
 
 def test_exact_fsdp_is_the_distributed_simulation():
-    from pipeline.simulate.distributed import distributed_peak
+    from pipeline.simulate.distributed.peak import distributed_peak
 
     answer = estimate(config=TINY, batch=2, seq=64, precision="bf16", method="exact", num_gpus=4, sharding="fsdp",
                       gpu_memory_gib=80)

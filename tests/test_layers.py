@@ -24,6 +24,19 @@ LAYERS = (
     ("cli", "__main__", "__init__"),
 )
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+# simulate/ has layers of its own, the same way: the memory (tracker, allocator replay), what the device does
+# that meta tensors do not (kernel rules; values answered without data), the step and the installation it runs
+# in, the Trainer clients, the several-GPU wing, and the entry points. Its folders on one row are wings.
+SIMULATE_LAYERS = (
+    ("memory",),
+    ("kernels", "values"),
+    ("trace", "step", "adapters", "predict"),
+    ("clients",),
+    ("distributed",),
+    ("api", "cli", "peaks", "__init__"),
+)
+SIMULATE_RANK = {unit: rank for rank, units in enumerate(SIMULATE_LAYERS) for unit in units}
+SIMULATE_WINGS = ("memory", "kernels", "values", "clients", "distributed")
 # Formulas and fits are pure: a formula or a coefficient file is usable without torch or transformers.
 PURE = ("formulas", "fit")
 
@@ -107,6 +120,26 @@ def test_wings_never_import_each_other():
     crossing = [f"{source} imports {target}" for source, targets in graph().items() for target in targets
                 if unit(source) != unit(target) and RANK[unit(source)] == RANK[unit(target)] != RANK["cli"]]
     assert crossing == []
+
+
+def simulate_unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def simulate_edges() -> list[tuple[str, str]]:
+    return [(source, target) for source, targets in graph().items() for target in targets
+            if unit(source) == unit(target) == "simulate"]
+
+
+def test_simulate_has_layers_of_its_own():
+    assert {simulate_unit(m) for m in graph() if unit(m) == "simulate"} == set(SIMULATE_RANK)
+    upward = [f"{s} imports {t}" for s, t in simulate_edges()
+              if SIMULATE_RANK[simulate_unit(t)] > SIMULATE_RANK[simulate_unit(s)]]
+    crossing = [f"{s} imports {t}" for s, t in simulate_edges() if simulate_unit(s) != simulate_unit(t)
+                and simulate_unit(s) in SIMULATE_WINGS and simulate_unit(t) in SIMULATE_WINGS
+                and SIMULATE_RANK[simulate_unit(s)] == SIMULATE_RANK[simulate_unit(t)]]
+    assert upward == [] and crossing == []
 
 
 def test_the_root_holds_only_the_entry_point():

@@ -193,7 +193,7 @@ def test_a_second_trainer_on_the_same_model_runs_as_the_first():
 
     from pipeline.measure.clients import trainer as client
     from pipeline.measure.clients.tracking import PhaseTracker
-    from pipeline.simulate.tracker import LiveBytesTracker
+    from pipeline.simulate.memory.tracker import LiveBytesTracker
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(

@@ -162,7 +162,7 @@ def test_a_second_sft_point_on_the_same_model_runs_as_the_first():
 
     from pipeline.measure.clients import sft as client
     from pipeline.measure.clients.tracking import PhaseTracker
-    from pipeline.simulate.tracker import LiveBytesTracker
+    from pipeline.simulate.memory.tracker import LiveBytesTracker
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY_CONFIG.items() if k != "model_type"}))

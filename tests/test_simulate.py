@@ -79,7 +79,7 @@ def test_pythia_14m_components_at_the_optimizer_peak():
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
     from pipeline.simulate import loop_peak
-    from pipeline.simulate.kernels import CUBLAS_WORKSPACES
+    from pipeline.simulate.kernels.cuda import CUBLAS_WORKSPACES
 
     facts = small_facts("EleutherAI/pythia-14m")
     model = build(config_from_dict(facts), "fp32", device="meta")
@@ -97,9 +97,9 @@ def test_pythia_14m_components_at_the_optimizer_peak():
 def test_meta_output_cache_changes_nothing(monkeypatch):
     """The cache of meta-kernel outputs is a speed-up only: cold, warm and without it, the same bytes
     (it must not turn a view, e.g. _unsafe_view, into a fresh storage)."""
-    import pipeline.simulate.tracker as tracker
+    import pipeline.simulate.memory.tracker as tracker
     from pipeline.simulate import loop_peak
-    from pipeline.simulate.output_cache import MetaOutputCache
+    from pipeline.simulate.memory.output_cache import MetaOutputCache
 
     monkeypatch.setattr(tracker, "SHARED_OUTPUT_CACHE", MetaOutputCache())
     facts = dict(TINY_LLAMA, num_hidden_layers=3)
@@ -121,7 +121,7 @@ def test_meta_output_cache_changes_nothing(monkeypatch):
 def test_sdpa_kernel_choice_follows_cuda_rules():
     import torch
 
-    from pipeline.simulate.sdpa import choose_sdpa_backend
+    from pipeline.simulate.kernels.sdpa import choose_sdpa_backend
 
     def qkv(dtype, heads=8, kv_heads=8, head_dim=64):
         q = torch.empty(2, heads, 16, head_dim, dtype=dtype, device="meta")

@@ -1,4 +1,4 @@
-"""Tests of the sharded simulation (pipeline.simulate.distributed): DDP and FSDP2 on N ranks.
+"""Tests of the sharded simulation (pipeline.simulate.distributed.peak): DDP and FSDP2 on N ranks.
 
 The CPU check: a real multi-process run (gloo, N processes) of a tiny model, rank 0's live bytes
 counted by the simulator's tracker on the CPU, against the simulation (one process, fake process
@@ -17,7 +17,7 @@ COMPARED = ("peak_bytes", "peak_phase", "phase_peaks", "components", "phase_comp
 
 
 def simulate(num_gpus: int, sharding: str, **kwargs) -> dict:
-    from pipeline.simulate.distributed import distributed_peak
+    from pipeline.simulate.distributed.peak import distributed_peak
 
     checkpointing = kwargs.pop("gradient_checkpointing", False)
     return flat(distributed_peak(TINY_LLAMA, Run(2, 24, kwargs.pop("precision", "fp32"), checkpointing=checkpointing,
@@ -32,7 +32,7 @@ def simulate(num_gpus: int, sharding: str, **kwargs) -> dict:
 def test_simulation_equals_real_gloo_run_on_the_cpu(num_gpus, shardings, precision, checkpointing):
     """Also checked by hand, equal likewise: fp32/bf16/amp-bf16 with and without checkpointing at
     N = 2, and a tiny gpt2 (tied embeddings, dropout)."""
-    from pipeline.simulate.distributed_check import run_cpu_check
+    from pipeline.simulate.distributed.check import run_cpu_check
 
     real = run_cpu_check(TINY_LLAMA, num_gpus, shardings, precision=precision,
                          gradient_checkpointing=checkpointing)
@@ -78,7 +78,7 @@ def test_the_fake_world_and_the_fsdp_patches_are_undone():
     (dict(num_gpus=2, sharding="zero3"), "sharding 'zero3' is not one of ddp, fsdp, fsdp-no-reshard"),
 ])
 def test_bad_arguments_raise_user_error(kwargs, message):
-    from pipeline.simulate.distributed import distributed_peak
+    from pipeline.simulate.distributed.peak import distributed_peak
 
     with pytest.raises(UserError, match=message):
         distributed_peak(TINY_LLAMA, Run(2, 24, "fp32", **kwargs))

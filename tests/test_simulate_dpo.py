@@ -1,4 +1,4 @@
-"""Tests of the DPOTrainer simulator (pipeline.simulate.dpo, client dpo): TRL 1.16's real DPOTrainer on the
+"""Tests of the DPOTrainer simulator (pipeline.simulate.clients.dpo, client dpo): TRL 1.16's real DPOTrainer on the
 meta device equal, byte for byte in every phase, to a real CPU run of the same DPOTrainer under the same
 trace (the method of tests/test_simulate_sft.py), with a reference model beside the policy or, with
 LoRA, the base with its adapters disabled; and what a step holds that SFTTrainer's does not.
@@ -26,8 +26,8 @@ def run_dpo(device: str, config: dict, precision: str, checkpointing: bool, lora
 
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
-    from pipeline.simulate.dpo import DPORun, meta_dpo_trainer
-    from pipeline.simulate.trainer import simulate_run, trainer_trace
+    from pipeline.simulate.clients.dpo import DPORun, meta_dpo_trainer
+    from pipeline.simulate.clients.trainer import simulate_run, trainer_trace
     from pipeline.training.adapters import AdapterSpec
     from pipeline.training.dpo import reference_model
     from pipeline.training.step import Setting
@@ -70,7 +70,7 @@ def test_a_reference_copy_doubles_the_weights_and_adapters_need_none():
     LoRA's reference is the frozen base itself."""
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
-    from pipeline.simulate.dpo import dpo_peak
+    from pipeline.simulate.clients.dpo import dpo_peak
     from pipeline.training.adapters import AdapterSpec
 
     weights = sum(p.untyped_storage().nbytes() for p in build(config_from_dict(TINY_LLAMA), "bf16", device="meta").parameters())
@@ -84,8 +84,8 @@ def test_a_reference_copy_doubles_the_weights_and_adapters_need_none():
 
 def test_a_pair_is_two_sequences():
     """B preference pairs run 2B sequences: DPO at B pairs holds more activations than SFT at B rows."""
-    from pipeline.simulate.dpo import dpo_peak
-    from pipeline.simulate.sft import sft_peak
+    from pipeline.simulate.clients.dpo import dpo_peak
+    from pipeline.simulate.clients.sft import sft_peak
 
     dpo = dpo_peak(TINY_LLAMA, Run(4, 64, "bf16-autocast", checkpointing=False, client="dpo", fresh_process=False))
     sft = sft_peak(TINY_LLAMA, Run(4, 64, "bf16-autocast", checkpointing=False, client="sft", fresh_process=False))
@@ -95,7 +95,7 @@ def test_a_pair_is_two_sequences():
 @pytest.mark.parametrize("kwargs, message", [(dict(client="trainer"), "client dpo"),
                                              (dict(optimizer="adamw"), "optim")])
 def test_bad_runs_are_one_line(kwargs, message):
-    from pipeline.simulate.dpo import dpo_peak
+    from pipeline.simulate.clients.dpo import dpo_peak
 
     with pytest.raises(UserError, match=message):
         dpo_peak(TINY_LLAMA, Run(**dict(dict(batch=1, seq=8, precision="bf16-autocast", client="dpo"), **kwargs)))

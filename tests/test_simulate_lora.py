@@ -85,7 +85,7 @@ def test_cuda_gemm_4bit_dequantizes_the_weight_where_bitsandbytes_falls_back():
     copy of the whole weight, scratch inside the op)."""
     import torch
 
-    from pipeline.simulate.bnb_kernels import gemm_4bit_workspace
+    from pipeline.simulate.kernels.bnb import gemm_4bit_workspace
 
     def scratch(rows):
         a = torch.empty(rows, 2048, dtype=torch.bfloat16, device="meta")

@@ -16,7 +16,7 @@ from pipeline.formulas.gpus import DEVICES, context_bytes, device, outside_bytes
 from pipeline.core.errors import UserError
 from pipeline.estimate import estimate, max_seq_len
 from pipeline.core.paths import CONFIGS, PEAKS
-from pipeline.simulate.allocator import CachingAllocator, ExpandableSegments, later_steps_reserved
+from pipeline.simulate.memory.allocator import CachingAllocator, ExpandableSegments, later_steps_reserved
 from pipeline.simulate import loop_peak
 from pipeline.training.values import Run
 

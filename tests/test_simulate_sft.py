@@ -1,11 +1,11 @@
-"""Tests of the SFTTrainer simulator (pipeline.simulate.sft), of bf16-autocast in the loop and Trainer
+"""Tests of the SFTTrainer simulator (pipeline.simulate.clients.sft), of bf16-autocast in the loop and Trainer
 simulators, and of Liger's kernels under the Trainer clients: the real code on the meta device equal,
 byte for byte in every phase, to a real CPU run of the same code under the same tracker (the method of
 tests/test_simulate_trainer.py).
 
 What the CPU reference runs differently from CUDA, as the meta run does: the Triton launches of TRL's
 fused head and of Liger are no-ops (TRL's fold kernels compute their values by their torch fallbacks,
-outside the tracker), and Liger's CUDA-only branches are taken (pipeline.simulate.kernel_paths); the
+outside the tracker), and Liger's CUDA-only branches are taken (pipeline.simulate.kernels.paths); the
 one op the CPU has no kernel for, `addmm(out_dtype=float32, out=...)`, sums outside the tracker.
 """
 
@@ -31,8 +31,8 @@ def run_sft(device: str, config: dict, precision: str, checkpointing: bool, lora
 
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
-    from pipeline.simulate.sft import SFTRun, meta_sft_trainer
-    from pipeline.simulate.trainer import simulate_run
+    from pipeline.simulate.clients.sft import SFTRun, meta_sft_trainer
+    from pipeline.simulate.clients.trainer import simulate_run
     from pipeline.training.adapters import AdapterSpec
     from pipeline.training.step import Setting
 
@@ -121,7 +121,7 @@ def test_bf16_autocast_and_liger_trainer_equal_real_cpu_trainer(precision, liger
 
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
-    from pipeline.simulate.trainer import simulate_trainer
+    from pipeline.simulate.clients.trainer import simulate_trainer
 
     results = {}
     for device in ("cpu", "meta"):

@@ -201,8 +201,8 @@ def test_the_trainer_client_traced_equals_the_trainer_simulator(precision, check
     are the client's stand-ins.)"""
     import torch
 
-    from pipeline.simulate.trainer import TrainerRun, fused_on, trainer_peak
-    from pipeline.simulate.trainer_parts import meta_trainer
+    from pipeline.simulate.clients.trainer import TrainerRun, fused_on, trainer_peak
+    from pipeline.simulate.clients.parts import meta_trainer
     from pipeline.training.step import Setting, set_training_mode
 
     with pipeline.trace(fresh_process=False) as t:

@@ -1,4 +1,4 @@
-"""Tests of the Trainer client's simulator (pipeline.simulate.trainer): the real transformers.Trainer
+"""Tests of the Trainer client's simulator (pipeline.simulate.clients.trainer): the real transformers.Trainer
 code under the live-byte tracker, on the meta device equal to a real CPU run, and against a
 committed H100 measurement."""
 
@@ -20,7 +20,7 @@ def run_trainer(device: str, precision: str, optim: str, accumulation: int = 1, 
 
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
-    from pipeline.simulate.trainer import simulate_trainer
+    from pipeline.simulate.clients.trainer import simulate_trainer
 
     torch.manual_seed(0)
     model = build(config_from_dict(TINY_LLAMA), precision, "eager", device=device)
@@ -84,7 +84,7 @@ def test_a_second_prediction_keeps_the_autocast_wrapper():
     (`prepared_before`, what the GPU client did before) the amp forward computes in fp32."""
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
-    from pipeline.simulate.trainer import trainer_peak, simulate_trainer
+    from pipeline.simulate.clients.trainer import trainer_peak, simulate_trainer
 
     first = flat(trainer_peak(TINY_LLAMA, Run(2, 64, "amp-bf16", client="trainer")))
     assert flat(trainer_peak(TINY_LLAMA, Run(2, 64, "amp-bf16", client="trainer")))["peak_bytes"] == first["peak_bytes"]
@@ -138,7 +138,7 @@ def test_gpt2_prediction_matches_the_committed_h100_row():
     import pandas as pd
 
     from pipeline.inputs.configs import load_configs
-    from pipeline.simulate.trainer import trainer_peak
+    from pipeline.simulate.clients.trainer import trainer_peak
     from pipeline.training.points import first_in_process
 
     peaks = pd.read_parquet(REPO / "results/trainer/h100/peak_memory.parquet")
@@ -159,7 +159,7 @@ def test_gpt2_prediction_matches_the_committed_h100_row():
 @pytest.mark.parametrize("kwargs,message", [(dict(optim="lion"), "optim"), (dict(precision="fp8"), "precision"),
                                             (dict(gradient_accumulation=0), "gradient_accumulation")])
 def test_bad_arguments_raise_user_error(kwargs, message):
-    from pipeline.simulate.trainer import trainer_peak
+    from pipeline.simulate.clients.trainer import trainer_peak
 
     with pytest.raises(UserError, match=message):
         trainer_peak(TINY_LLAMA, Run(**dict(dict(batch=1, seq=8, precision="amp-bf16", client="trainer"), **kwargs)))
@@ -170,9 +170,9 @@ def tied_head_backward(device: str, amp: bool, vocab: int, hidden: int = 1024, t
     embedding tied to the LM head under the simulator's tracker, rules and accumulation rule."""
     import torch
 
-    from pipeline.simulate.accumulation import accumulation_stand_ins
-    from pipeline.simulate.rules import KernelRules
-    from pipeline.simulate.tracker import LiveBytesTracker
+    from pipeline.simulate.kernels.accumulation import accumulation_stand_ins
+    from pipeline.simulate.kernels.rules import KernelRules
+    from pipeline.simulate.memory.tracker import LiveBytesTracker
 
     embedding = torch.nn.Embedding(vocab, hidden, device=device)
     ids = torch.randint(0, vocab, (1, tokens)).to(device)
@@ -207,7 +207,7 @@ def run_lora_trainer(device: str, precision: str, checkpointing: bool, spec) -> 
     from pipeline.training.adapters import apply_adapters
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
-    from pipeline.simulate.trainer import trainer_peak, simulate_trainer
+    from pipeline.simulate.clients.trainer import trainer_peak, simulate_trainer
 
     if device == "meta":
         return flat(trainer_peak(TINY_LLAMA, Run(2, 24, precision, checkpointing=checkpointing, attn_implementation="eager", client="trainer",
@@ -244,7 +244,7 @@ def test_trainer_with_qlora_holds_the_loop_simulators_weights():
     with the same weights at its peak (packed NF4, absmax, code, fp32 upcasts) and adapters."""
     from pipeline.training.adapters import AdapterSpec
     from pipeline.simulate import loop_peak
-    from pipeline.simulate.trainer import trainer_peak
+    from pipeline.simulate.clients.trainer import trainer_peak
 
     spec = AdapterSpec.make(8, quantization="nf4")
     trainer = flat(trainer_peak(TINY_LLAMA, Run(2, 24, "bf16", checkpointing=True, attn_implementation="eager",

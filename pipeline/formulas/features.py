@@ -579,7 +579,7 @@ def _recurrent_parameters(facts: Facts) -> int:
 
 
 def attention_kernel(facts: Facts, precision: str = "bf16", attention: str | None = None) -> str:
-    """The kernel CUDA runs the attention with (`KERNELS`), in config terms (pipeline.simulate.sdpa's rule)."""
+    """The kernel CUDA runs the attention with (`KERNELS`), in config terms (pipeline.simulate.kernels.sdpa's rule)."""
     if not facts.attention_layers:
         return "fused"
     if attention == "eager" or facts.model_type in EAGER_ONLY:

@@ -7,15 +7,14 @@ bytes of every storage from its creation until its last reference goes, rounded 
 caching allocator counts them. Where CUDA behaves differently from the meta device (which attention
 kernel runs and what it saves, autocast, kernel scratch memory) rules mirror CUDA.
 
-Modules: `api` (simulate), `trace` (any training code under the simulator: `pipeline.trace`; the
-clients' installation), `predict` (the loop's loop_peak, the meta model cache), `trainer` (trainer_peak),
-`distributed` (distributed_peak), `step` (the step under the tracker),
-`tracker` (live bytes by role), `allocator` (the caching allocator's blocks), `output_cache`,
-`rules` (the TorchFunctionMode: autocast, SDPA, dropout), `sdpa`, `kernels` (workspaces, host
-outputs, grouped_mm), `stand_ins` (data-dependent values), `scaler` (amp-fp16's gradient scaler),
-`adapters` (LoRA / QLoRA: PEFT's wrapping on a meta model of their own, the 4-bit base on meta),
-`bnb_kernels` (bitsandbytes' 4-bit matmul as CUDA runs it),
-`peaks` (the simulate-peaks stage), `cli`.
+Its folders are its layers (tests/test_layers.py): `memory/` (the live-byte tracker by role, the caching
+allocator's replay, the output cache), `kernels/` (the kernel rules: autocast, SDPA, workspaces and scratch,
+Triton wrappers' CUDA paths, bitsandbytes, the gradient scaler, autograd's accumulation) and `values/`
+(data-dependent values without data), then the step and its installation (`trace`: any training code,
+`pipeline.trace`; `step`; `predict`: the loop's loop_peak; `adapters`: LoRA / QLoRA on meta), `clients/` (the
+real Trainer, SFTTrainer and DPOTrainer), `distributed/` (several GPUs: the fake process group, FSDP2 and
+DDP, the clients under accelerate's preparation), and the entry points `api` (simulate), `peaks` (the
+simulate-peaks stage) and `cli`.
 Importing this package imports no torch.
 """
 

@@ -17,7 +17,7 @@ code; no nested statistics with bnb_4bit_use_double_quant=False). The model is m
 weight, enable_input_require_grads and checkpointing) and PEFT's bnb LoRA layers run as on the GPU.
 The 4-bit matmul runs bitsandbytes' own code (MatMul4Bit) on the ops' registered fake kernels;
 CUDA's gemm_4bit scratch (the dequantized weight of its dequantize+linear fallback) is a kernel rule
-(`pipeline.simulate.kernels`), and the backward's dequantized copy is a real op output, counted as is.
+(`pipeline.simulate.kernels.cuda`), and the backward's dequantized copy is a real op output, counted as is.
 
 int8 (LLM.int8, Linear8bitLt) is not simulated yet: a UserError says so.
 """

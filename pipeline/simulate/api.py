@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pipeline.simulate.distributed import distributed_peak
-from pipeline.simulate.dpo import dpo_peak
+from pipeline.simulate.distributed.peak import distributed_peak
+from pipeline.simulate.clients.dpo import dpo_peak
 from pipeline.simulate.predict import loop_peak
-from pipeline.simulate.sft import sft_peak
-from pipeline.simulate.trainer import trainer_peak
+from pipeline.simulate.clients.sft import sft_peak
+from pipeline.simulate.clients.trainer import trainer_peak
 from pipeline.training.values import Estimate, Run
 
 

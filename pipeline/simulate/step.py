@@ -7,7 +7,7 @@ run, then two optimizer steps: forward and backward peaks of step 2 are those of
 state; the optimizer peak is the larger of the two optimizer steps.
 
 amp-fp16 runs the loop's gradient scaler (`scaler.scale(loss).backward(); scaler.step(opt);
-scaler.update()`), the real `torch.amp.GradScaler` on the step's device (`pipeline.simulate.scaler`).
+scaler.update()`), the real `torch.amp.GradScaler` on the step's device (`pipeline.simulate.kernels.scaler`).
 
 Reserved bytes (the allocator's segments) are replayed apart, with the default allocator settings and
 with expandable segments; for steps 2 and 3 the first step's requests are replayed from the state
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 
-from pipeline.simulate.allocator import allocated_bytes, later_steps_reserved
-from pipeline.simulate.scaler import scaler_tensors
+from pipeline.simulate.memory.allocator import allocated_bytes, later_steps_reserved
+from pipeline.simulate.kernels.scaler import scaler_tensors
 from pipeline.training.step import (Setting, autocast_dtype, grad_scaler, make_optimizer, set_training_mode, token_ids,
                                     trainable, training_loss, zero_grad)
 

@@ -53,12 +53,12 @@ import time
 import torch
 
 from pipeline.core.errors import UserError
-from pipeline.simulate.allocator import CachingAllocator, ExpandableSegments, Fanout
-from pipeline.simulate.kernels import CublasWorkspaces, host_outputs, workspace_rules
-from pipeline.simulate.rules import KernelRules
-from pipeline.simulate.scaler import scaler_stand_ins
-from pipeline.simulate.stand_ins import UniformValues, scalar_stand_ins
-from pipeline.simulate.tracker import LiveBytesTracker
+from pipeline.simulate.memory.allocator import CachingAllocator, ExpandableSegments, Fanout
+from pipeline.simulate.kernels.cuda import CublasWorkspaces, host_outputs, workspace_rules
+from pipeline.simulate.kernels.rules import KernelRules
+from pipeline.simulate.kernels.scaler import scaler_stand_ins
+from pipeline.simulate.values.stand_ins import UniformValues, scalar_stand_ins
+from pipeline.simulate.memory.tracker import LiveBytesTracker
 from pipeline.training.values import Estimate
 
 DEVICES = ("meta", "cpu")

@@ -24,7 +24,7 @@ is on, `torch.is_autocast_enabled`, `torch.get_autocast_dtype` and transformers'
 answer for it (`model_code_view`), as torch's own answer for CUDA tensors.
 
 This module is the project's one copy of the op lists and of the casting rule; the simulator's
-kernel rules (`pipeline.simulate.rules.KernelRules`) extend the class.
+kernel rules (`pipeline.simulate.kernels.rules.KernelRules`) extend the class.
 """
 
 from __future__ import annotations

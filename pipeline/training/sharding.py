@@ -1,5 +1,5 @@
 """A model sharded the way several GPUs shard it, the one call that the GPU measurement
-(`pipeline.measure.distributed`) and the simulator (`pipeline.simulate.distributed_step`) make.
+(`pipeline.measure.distributed`) and the simulator (`pipeline.simulate.distributed.step`) make.
 
 `shard(model, sharding, mesh)`: `fully_shard` on each decoder layer (`inputs.modeling.decoder_layers`:
 transformers' `_no_split_modules` classes) and on the root, `reshard_after_forward` true (`fsdp`) or

@@ -6,15 +6,15 @@ The real DPOTrainer is built (`DPOTrainer.__init__`: its tokenization of the pre
 collator, the fused LM head on the policy and on the reference model, dropout disabled) and its training
 steps run (`compute_loss`: the policy's forward over the 2B sequences with the fused head scoring the
 completions, the reference's forward under no_grad with checkpointing off, the sigmoid loss, the reward
-and accuracy metrics) in the order `pipeline.simulate.trainer.TrainerRun` runs transformers.Trainer's
-loop, under the same trace as SFTTrainer's (`pipeline.simulate.sft`). What differs from a CUDA run,
+and accuracy metrics) in the order `pipeline.simulate.clients.trainer.TrainerRun` runs transformers.Trainer's
+loop, under the same trace as SFTTrainer's (`pipeline.simulate.clients.sft`). What differs from a CUDA run,
 besides the SFTTrainer simulator's stand-ins:
 
 - the reference model is given as `ref_model` (a second copy of the policy built on meta, or none with
   adapters: the base with the adapters disabled), as the GPU client gives it;
 - DPOTrainer prepares the reference in its `__init__` (`accelerator.prepare_model(ref, evaluation_mode=True)`):
   there without device placement (the model stays on meta) and with CUDA's autocast, as the policy is
-  prepared (`trainer_parts.cuda_autocast_preparation`; on a CPU accelerate would wrap it in the CPU's);
+  prepared (`parts.cuda_autocast_preparation`; on a CPU accelerate would wrap it in the CPU's);
 - around each reference forward DPOTrainer switches the policy's checkpointing off and on again, which
   makes a new checkpoint function: the kernel rules' wrapper (recompute under the forward's autocast)
   is put back before each policy forward;
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 
-from pipeline.simulate.sft import SFTRun, trl_peak
+from pipeline.simulate.clients.sft import SFTRun, trl_peak
 from pipeline.training.step import Setting
 from pipeline.training.values import Estimate, Run
 
@@ -57,7 +57,7 @@ def meta_dpo_trainer(model, reference, setting: Setting, precision: str, batch: 
     from trl import DPOConfig, DPOTrainer
 
     from pipeline.inputs.modeling import vocabulary_size
-    from pipeline.simulate.trainer_parts import on_simulated_device
+    from pipeline.simulate.clients.parts import on_simulated_device
     from pipeline.training.dpo import dataset_pairs, dpo_arguments, preference_dataset
     from pipeline.training.sft import peft_config, tokenizer
 
@@ -78,10 +78,10 @@ def meta_dpo_trainer(model, reference, setting: Setting, precision: str, batch: 
 @contextlib.contextmanager
 def references_prepared(rules, precision: str):
     """accelerate's `prepare_model` in evaluation mode (DPOTrainer's preparation of its reference model)
-    without device placement and with CUDA's autocast (`trainer_parts.cuda_autocast_preparation`)."""
+    without device placement and with CUDA's autocast (`parts.cuda_autocast_preparation`)."""
     from accelerate import Accelerator
 
-    from pipeline.simulate.trainer_parts import cuda_autocast_preparation
+    from pipeline.simulate.clients.parts import cuda_autocast_preparation
 
     original = Accelerator.prepare_model
 
@@ -114,7 +114,7 @@ class DPORun(SFTRun):
             self.hooks.append(self.model.register_forward_pre_hook(lambda *_: rules.wrap_checkpointing(self.model)))
 
     def close(self) -> None:
-        from pipeline.simulate.trainer_parts import restore
+        from pipeline.simulate.clients.parts import restore
 
         reference = getattr(self.trainer, "ref_model", None) if self.trainer is not None else None
         super().close()

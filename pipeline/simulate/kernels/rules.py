@@ -5,10 +5,10 @@ its memory behaviour is device independent (same Python, same composite ops, sam
 graph). What is not, and is mirrored here:
 
 - scaled_dot_product_attention: which kernel CUDA picks and what that kernel saves for backward
-  (`pipeline.simulate.sdpa`); the meta device itself would always run the math composite.
+  (`pipeline.simulate.kernels.sdpa`); the meta device itself would always run the math composite.
 - autocast("cuda", bfloat16): the meta device has no autocast (`pipeline.training.autocast.CudaAutocast`,
   whose op lists and cache of weight casts this class inherits).
-- dropout (CUDA's fused kernel) and grouped_mm in fp32 (`pipeline.simulate.kernels`).
+- dropout (CUDA's fused kernel) and grouped_mm in fp32 (`pipeline.simulate.kernels.cuda`).
 
 Scratch memory of kernels, outputs kept on the host and data-dependent values are the dispatch
 level's (`kernels.workspace_rules`, `kernels.host_outputs`, `stand_ins`), given to the tracker.
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from pipeline.training.autocast import CudaAutocast
-from pipeline.simulate.kernels import cuda_dropout, grouped_mm_stand_in
-from pipeline.simulate.sdpa import cuda_sdpa
+from pipeline.simulate.kernels.cuda import cuda_dropout, grouped_mm_stand_in
+from pipeline.simulate.kernels.sdpa import cuda_sdpa
 
 
 class KernelRules(CudaAutocast):

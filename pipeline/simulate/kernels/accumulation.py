@@ -30,7 +30,7 @@ def accumulation_stand_ins() -> dict:
     """{aten.add.Tensor: fn(func, args, kwargs) -> out} for the tracker's stand-ins."""
     import torch
 
-    from pipeline.simulate.output_cache import SHARED_OUTPUT_CACHE
+    from pipeline.simulate.memory.output_cache import SHARED_OUTPUT_CACHE
 
     def add(func, args, kwargs):
         if engine_accumulation(args, kwargs):

@@ -4,15 +4,15 @@ is `pipeline.measure.clients.sft`) on meta tensors.
 The real SFTTrainer is built (`SFTTrainer.__init__`: its dataset preparation with `datasets`, PEFT's
 wrapping through `peft_config`, the bf16 cast of the adapters on a 4-bit base, its collator,
 `add_fused_lm_head`) and its training steps run (`compute_loss`: the fused LM head, the entropy and
-accuracy metrics) in the order `pipeline.simulate.trainer.TrainerRun` runs transformers.Trainer's loop,
+accuracy metrics) in the order `pipeline.simulate.clients.trainer.TrainerRun` runs transformers.Trainer's loop,
 under the same tracker, kernel rules and allocator replay. What differs from a CUDA run, besides the
-Trainer's stand-ins (`pipeline.simulate.trainer`):
+Trainer's stand-ins (`pipeline.simulate.clients.trainer`):
 
 - the micro-batches are the prepared dataset's rows through SFTTrainer's own collator (host memory,
-  not counted), then moved to the device with their host values (`pipeline.simulate.shadows`), which
+  not counted), then moved to the device with their host values (`pipeline.simulate.values.shadows`), which
   answer the fused head's data-dependent shapes (`hidden_states[labels != -100]`) exactly;
 - TRL's fused head and Liger's wrappers take CUDA's code paths, their Triton launches are no-ops
-  (`pipeline.simulate.kernel_paths`);
+  (`pipeline.simulate.kernels.paths`);
 - the entropy and accuracy metrics' `.item()` (logged, never used for memory) answer 0.0.
 """
 
@@ -22,7 +22,7 @@ import time
 
 from pipeline.core.vocabulary import OPTIMS, check_choice
 from pipeline.simulate.predict import as_config, check_loop, config_key, estimate_of, meta_attention
-from pipeline.simulate.trainer import TrainerRun, check_installed, simulate_run
+from pipeline.simulate.clients.trainer import TrainerRun, check_installed, simulate_run
 from pipeline.training.step import Setting
 from pipeline.training.values import Estimate, Run
 
@@ -45,7 +45,7 @@ def trl_peak(config, run: Run, client: str, unavailable, step_run, make_trainer)
     then `step_run(trainer, seq, precision, checkpointing, "meta")` run as the Trainer's loop."""
     from pipeline.core.errors import UserError
     from pipeline.simulate.adapters import check_adapter, fresh_base_model, loaded_from_checkpoint
-    from pipeline.simulate.trainer import trainer_trace
+    from pipeline.simulate.clients.trainer import trainer_trace
 
     start = time.perf_counter()
     if run.client != client:
@@ -95,7 +95,7 @@ def meta_sft_trainer(model, setting: Setting, precision: str, batch: int, seq: i
     from trl import SFTConfig, SFTTrainer
 
     from pipeline.inputs.modeling import vocabulary_size
-    from pipeline.simulate.trainer_parts import on_simulated_device
+    from pipeline.simulate.clients.parts import on_simulated_device
     from pipeline.training.sft import dataset_rows, peft_config, random_dataset, sft_arguments, tokenizer
 
     MetaSFTTrainer, MetaSFTConfig = on_simulated_device(SFTTrainer, SFTConfig)
@@ -126,7 +126,7 @@ class SFTRun(TrainerRun):
         (not counted), then on the device: one counted copy each, with its host values on meta."""
         from torch.utils._python_dispatch import _disable_current_modes
 
-        from pipeline.simulate.shadows import shadowed
+        from pipeline.simulate.values.shadows import shadowed
 
         dataset = self.trainer.train_dataset
         columns = [c for c in self.columns if c in dataset.column_names]

@@ -2,18 +2,18 @@
 FSDP2 on N GPUs, without GPUs and without weights.
 
 The real torch sharding code runs on the model built on the meta device, in one process, with a
-fake process group of N ranks (`distributed_world.fake_world`: collectives return at once, as in
+fake process group of N ranks (`world.fake_world`: collectives return at once, as in
 torch.distributed._tools.fsdp2_mem_tracker and torchtitan's memory estimation). FSDP2 runs with
-its device set to "meta" (`distributed_world.meta_fsdp`, which says why this way and not with
+its device set to "meta" (`world.meta_fsdp`, which says why this way and not with
 FakeTensorMode), so every buffer (sharded parameters, all-gather outputs, unsharded parameters,
 reduce-scatter inputs, the sharded gradients) is made and freed by FSDP2's own code; DDP's
 gradient buckets (bucket_cap_mb 25, the first bucket 1 MiB, rebuilt in the second step) by its
 Reducer. The simulator's tracker and allocator replay count them as on the single GPU
-(`pipeline.simulate.step`), and the CPU check (`distributed_check`) runs the same step for real
+(`pipeline.simulate.step`), and the CPU check (`check`) runs the same step for real
 with gloo on N processes.
 
-Modules: `distributed_world` (fake process group, FSDP2 on meta, sharding), `distributed_tracker`
-(DTensors, resized storages, roles), `distributed_step` (the three steps), `distributed_check`.
+Modules: `world` (fake process group, FSDP2 on meta, sharding), `tracker`
+(DTensors, resized storages, roles), `step` (the three steps), `check`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def distributed_peak(config, run: Run) -> Estimate:
     amp-fp16 (its gradient scaler) is refused.
     """
     from pipeline.inputs.modeling import build
-    from pipeline.simulate.distributed_step import simulate_sharded_step
-    from pipeline.simulate.distributed_world import fake_world, meta_fsdp
+    from pipeline.simulate.distributed.step import simulate_sharded_step
+    from pipeline.simulate.distributed.world import fake_world, meta_fsdp
     from pipeline.core.text import first_line
     from pipeline.simulate.predict import as_config, check_loop, estimate_of, meta_attention
 

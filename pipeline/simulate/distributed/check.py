@@ -3,7 +3,7 @@
 `run_cpu_check` starts N processes (torch.multiprocessing, the gloo backend), each builds the
 model with random weights on the CPU, shards it (`pipeline.training.sharding.shard`, the same call as the
 simulation) and runs the standard step three times under the same live-byte tracker as the
-simulator, in `device_type="cpu"` mode (`distributed_step.simulate_sharded_step`). Rank 0's
+simulator, in `device_type="cpu"` mode (`step.simulate_sharded_step`). Rank 0's
 result is returned; the simulation (`predict_distributed_peak`, one process, fake process
 group, meta tensors) must reproduce it byte for byte.
 
@@ -87,7 +87,7 @@ def _worker(rank: int, world_size: int, port: int, config: dict, shardings: list
 
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
-    from pipeline.simulate.distributed_step import simulate_sharded_step
+    from pipeline.simulate.distributed.step import simulate_sharded_step
 
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -19,13 +19,13 @@ What differs from a CUDA run, and is stood in for (`MetaRules`):
 - accelerate's autocast context is CUDA's (`KernelRules.autocast`, bf16 or fp16), not the CPU's
   that it picks; amp-fp16's scaler is the one accelerate makes on a GPU (`GradScaler("cuda")`,
   defaults) made on the simulated device (on a CPU accelerate makes none), and its `found_inf`
-  reads "no inf" (`pipeline.simulate.scaler`);
+  reads "no inf" (`pipeline.simulate.kernels.scaler`);
 - fused AdamW (`adamw_torch_fused`) refuses meta parameters in `_device_dtype_check_for_fused`:
   meta is added to the devices that check accepts, and the step runs torch's real `_fused_adam`
   path; `torch._fused_adamw_` is in place and allocates nothing (its meta kernel likewise), so the
   state (exp_avg, exp_avg_sq, and a 0-dim fp32 `step` on the device per parameter) is all.
 - autograd's sum of two gradients for one tensor is in place where CUDA's engine steals the first
-  (`pipeline.simulate.accumulation`; the dispatch mode alone made it out of place): a tied
+  (`pipeline.simulate.kernels.accumulation`; the dispatch mode alone made it out of place): a tied
   embedding under amp holds one V x H fp32 matrix less at the end of the backward;
 - adamw_bnb_8bit: nothing. bitsandbytes' real `AdamW8bit` runs: its state is made with
   `torch.zeros_like`/`torch.zeros` on the parameter's device (uint8 moments, fp32 absmax per block
@@ -35,9 +35,9 @@ What differs from a CUDA run, and is stood in for (`MetaRules`):
   fake kernels registered by bitsandbytes (`_ops.py`) that allocate nothing, as the CUDA kernels do.
 - Liger's kernels (`run.liger_kernel`): `Trainer.train()` applies them first (`apply_liger_kernel`),
   here too, and everything they rebind is put back after the run (`pipeline.training.liger`); their
-  Python wrappers run for real, their Triton launches are no-ops (`pipeline.simulate.kernel_paths`).
+  Python wrappers run for real, their Triton launches are no-ops (`pipeline.simulate.kernels.paths`).
 - data-dependent values of the micro-batches (label counts, Liger's `.item()` of them): every
-  micro-batch tensor carries its host values (`pipeline.simulate.shadows`).
+  micro-batch tensor carries its host values (`pipeline.simulate.values.shadows`).
 Data collation's pinned CPU memory is host memory: not counted.
 """
 
@@ -104,7 +104,7 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
     with real weights runs the same code for real (the tests compare both). `prepared_before`: the
     model was prepared by an earlier Trainer that left accelerate's mark on it (the GPU client did,
     before commit 57dc319, from the second point of a process on): no autocast wrapper."""
-    from pipeline.simulate.trainer_parts import meta_trainer
+    from pipeline.simulate.clients.parts import meta_trainer
 
     trainer = meta_trainer(model, batch_size, precision, optim, gradient_accumulation, gradient_checkpointing,
                            device_type, liger_kernel)
@@ -120,7 +120,7 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
     `warm=False`: the process's first step, cuBLAS's workspaces made at first use) with the Triton
     wrappers' CUDA paths: the peak, its components, phase peaks, the optimizer state's bytes and the
     reserved bytes. `trace`: one made with `trainer_trace` that recorded the model's build."""
-    from pipeline.simulate.kernel_paths import cuda_paths
+    from pipeline.simulate.kernels.paths import cuda_paths
 
     device_type, model = run.device_type, run.model
     trace = trace if trace is not None else trainer_trace(device_type, reserve_limit, warm)
@@ -159,9 +159,9 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
 def trainer_trace(device_type: str = "meta", reserve_limit: int | None = None, warm: bool = True):
     """The Trace a Trainer client runs in: host shadows as its observer (on meta), the engine's in-place
     gradient accumulation, the CPU's `addmm(out_dtype=...)`; phases and roles marked by the run."""
-    from pipeline.simulate.accumulation import accumulation_stand_ins
-    from pipeline.simulate.kernel_paths import out_dtype_addmm_stand_ins
-    from pipeline.simulate.shadows import Shadows, shadow_stand_ins
+    from pipeline.simulate.kernels.accumulation import accumulation_stand_ins
+    from pipeline.simulate.kernels.paths import out_dtype_addmm_stand_ins
+    from pipeline.simulate.values.shadows import Shadows, shadow_stand_ins
     from pipeline.simulate.trace import Trace
 
     shadows = Shadows() if device_type == "meta" else None
@@ -186,7 +186,7 @@ def fused_on(device_type: str):
 
 
 class TrainerRun:
-    """One Trainer (made with `pipeline.simulate.trainer_parts.meta_trainer`) on its model and the state of
+    """One Trainer (made with `pipeline.simulate.clients.parts.meta_trainer`) on its model and the state of
     its loop (`Trainer._run_epoch`), step by step. A subclass changes where the micro-batches come from."""
 
     fused_head = False  # TRL's fused LM head (SFTTrainer)
@@ -222,7 +222,7 @@ class TrainerRun:
         `_inner_training_loop`."""
         import torch
 
-        from pipeline.simulate.trainer_parts import prepare_model
+        from pipeline.simulate.clients.parts import prepare_model
 
         self.tracker.start_phase("setup", "activations")
         # `_inner_training_loop` starts with `accelerator.free_memory()`: gc and torch.cuda.empty_cache(), which
@@ -237,7 +237,7 @@ class TrainerRun:
             self.liger_patches = LigerPatches(self.model).__enter__()
             apply_liger_kernel(self.model, trainer.args.liger_kernel_config)
         if self.checkpointing:
-            from pipeline.simulate.trainer_parts import enable_checkpointing
+            from pipeline.simulate.clients.parts import enable_checkpointing
 
             enable_checkpointing(trainer, self.model)
             self.rules.wrap_checkpointing(self.model)
@@ -279,7 +279,7 @@ class TrainerRun:
         import torch
 
         from pipeline.inputs.modeling import vocabulary_size
-        from pipeline.simulate.shadows import shadowed
+        from pipeline.simulate.values.shadows import shadowed
 
         ids = torch.randint(0, vocabulary_size(self.model), (self.batch_size, self.seq_len))
         items = [{"input_ids": row, "labels": row} for row in ids]
@@ -299,7 +299,7 @@ class TrainerRun:
         return sum(seen.values())
 
     def close(self) -> None:
-        from pipeline.simulate.trainer_parts import restore
+        from pipeline.simulate.clients.parts import restore
 
         for hook in self.hooks:
             hook.remove()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.simulate.sdpa import attention_host_outputs, attention_workspaces
+from pipeline.simulate.kernels.sdpa import attention_host_outputs, attention_workspaces
 
 # cuBLAS workspaces, allocated through the caching allocator on the first matmul of each thread
 # (the forward's and the autograd engine's: 32 MiB each on sm90) plus 1 MiB (cuBLASLt), and kept:
@@ -86,7 +86,7 @@ def host_outputs() -> dict:
 
 def workspace_rules() -> dict:
     """{aten overload: fn(args, kwargs, out) -> [bytes, ...]}: scratch memory of CUDA kernels."""
-    from pipeline.simulate.bnb_kernels import bnb_workspace_rules
+    from pipeline.simulate.kernels.bnb import bnb_workspace_rules
 
     return {**attention_workspaces(), torch.ops.aten.embedding_dense_backward.default: _embedding_backward_workspace,
             torch.ops.aten.index.Tensor: _bool_index_workspace,
@@ -154,7 +154,7 @@ def cublas_library(func, args, kwargs) -> str | None:
     if name in CUBLAS_OPS:
         return "cublas"
     if name == "gemm_4bit" and getattr(func, "namespace", None) == "bitsandbytes":
-        from pipeline.simulate.bnb_kernels import gemm_4bit_workspace
+        from pipeline.simulate.kernels.bnb import gemm_4bit_workspace
 
         return "cublas" if gemm_4bit_workspace(args, kwargs, None) else None
     return None

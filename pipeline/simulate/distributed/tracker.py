@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from pipeline.simulate.tracker import CATEGORIES, LiveBytesTracker
+from pipeline.simulate.memory.tracker import CATEGORIES, LiveBytesTracker
 
 SHARDED_CATEGORIES = CATEGORIES + ("unsharded_parameters", "all_gather", "reduce_scatter", "ddp_buckets")
 

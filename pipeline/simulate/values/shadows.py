@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.simulate.stand_ins import UniformValues
+from pipeline.simulate.values.stand_ins import UniformValues
 
 SHADOW_LIMIT = 1 << 22  # elements: only index- and mask-sized tensors get host shadows
 

@@ -1,5 +1,5 @@
 """The transformers.Trainer of `client = trainer` on a model of the meta device (imported only by
-`pipeline.simulate.trainer`'s heavy path: it imports transformers and accelerate)."""
+`pipeline.simulate.clients.trainer`'s heavy path: it imports transformers and accelerate)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 
-from pipeline.simulate.allocator import CachingAllocator, ExpandableSegments, Fanout
+from pipeline.simulate.memory.allocator import CachingAllocator, ExpandableSegments, Fanout
 from pipeline.training.step import (STEPS, Setting, autocast_dtype, make_optimizer, set_training_mode, token_ids,
                                     training_loss, zero_grad)
 
@@ -35,11 +35,11 @@ def simulate_sharded_step(model, sharding: str, mesh, batch_size: int, seq_len: 
     role at the peak), peak_phase, phase_peaks, peak_reserved_bytes, peak_reserved_expandable_bytes."""
     import torch
 
-    from pipeline.simulate.distributed_tracker import ShardedTracker, host_copy_stand_ins
+    from pipeline.simulate.distributed.tracker import ShardedTracker, host_copy_stand_ins
     from pipeline.training.sharding import shard
-    from pipeline.simulate.kernels import CUBLAS_WORKSPACES, host_outputs, workspace_rules
-    from pipeline.simulate.rules import KernelRules
-    from pipeline.simulate.stand_ins import UniformValues, scalar_stand_ins
+    from pipeline.simulate.kernels.cuda import CUBLAS_WORKSPACES, host_outputs, workspace_rules
+    from pipeline.simulate.kernels.rules import KernelRules
+    from pipeline.simulate.values.stand_ins import UniformValues, scalar_stand_ins
 
     setting = Setting("standard", optimizer, gradient_checkpointing)
     setting.check()

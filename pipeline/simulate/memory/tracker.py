@@ -27,8 +27,8 @@ from functools import partial
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipeline.simulate.allocator import allocated_bytes
-from pipeline.simulate.output_cache import SHARED_OUTPUT_CACHE
+from pipeline.simulate.memory.allocator import allocated_bytes
+from pipeline.simulate.memory.output_cache import SHARED_OUTPUT_CACHE
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "optimizer_intermediates", "activations")
 
