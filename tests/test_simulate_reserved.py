@@ -215,7 +215,25 @@ def test_a_split_after_giving_segments_back_keeps_its_free_remainder():
     assert allocator.reserved == 2 * mib and allocator.peak == 12 * mib and not allocator.out_of_memory
     allocator.free(second)
     allocator.free(first)
-    assert allocator.free_blocks[True] == [(2 * mib, first)]
+    assert allocator.free_blocks[(0, True)] == [(2 * mib, first)]
+
+
+def test_each_stream_reuses_only_its_own_blocks():
+    """A block freed on a side stream (FSDP2's all-gather stream) serves that stream's next request, never
+    the default stream's: the default stream makes a segment of its own, the side stream's stays cached."""
+    from pipeline.simulate.memory.allocator import ExpandableSegments
+
+    mib = 1 << 20
+    allocator = CachingAllocator()
+    allocator.free(allocator.malloc(40 * mib, stream="all_gather")[0])
+    default, _ = allocator.malloc(40 * mib)
+    assert allocator.reserved == 80 * mib
+    again, _ = allocator.malloc(40 * mib, stream="all_gather")
+    assert allocator.reserved == 80 * mib and again != default
+    expandable = ExpandableSegments()
+    expandable.free(expandable.malloc(30 * mib, stream="all_gather")[0])
+    expandable.malloc(30 * mib)
+    assert expandable.reserved == 2 * 40 * mib  # two segments, each mapped in 20 MiB pages
 
 
 # -- a process's first point: the build's allocations and cuBLAS's workspaces made in the step -------------

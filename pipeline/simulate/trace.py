@@ -227,9 +227,7 @@ class Trace:
             raise UserError("record a build before the trace's block")
         with self.rules, self.tracker:
             built = build()
-        self.tracker.peaks = {}
-        for allocator in self.reserved.allocators:
-            allocator.peak = allocator.reserved
+        self.tracker.reset_peaks()
         return built
 
     def workspace_tensors(self, thread: str | None = None) -> list:

@@ -51,17 +51,30 @@ class MetaTrainer(InputsOnSimulatedDevice, Trainer):
     """The Trainer with its inputs placed on the model's device."""
 
 
+def device_arguments(sharding: str | None, model) -> dict:
+    """What the simulated trainer's arguments say of the device: on one GPU use_cpu=True (the accelerator must
+    not ask for a GPU; its autocast and scaler are made CUDA's by `prepare_for_training`); on several GPUs the
+    sharding's keys (`pipeline.training.sharding.sharding_arguments`), with accelerate told that it runs on N
+    GPUs (`pipeline.simulate.distributed.world.accelerate_on_gpus`)."""
+    if sharding is None:
+        return {"use_cpu": True}
+    from pipeline.training.sharding import sharding_arguments
+
+    return sharding_arguments(sharding, model)
+
+
 def meta_trainer(model, batch_size: int, precision: str, optim: str, gradient_accumulation: int,
-                 gradient_checkpointing: bool, device_type: str, liger_kernel: bool = False) -> MetaTrainer:
-    """`pipeline.measure.clients.trainer.training_arguments` with use_cpu=True (the accelerator must not
-    ask for a GPU), the model left where it is."""
+                 gradient_checkpointing: bool, device_type: str, liger_kernel: bool = False,
+                 sharding: str | None = None) -> MetaTrainer:
+    """`pipeline.measure.clients.trainer.training_arguments` for the simulated device (`device_arguments`),
+    the model left where it is."""
     output_dir = tempfile.mkdtemp(prefix="avp-simtrainer-")
     args = MetaTrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch_size, max_steps=STEPS,
                                  gradient_accumulation_steps=gradient_accumulation,
                                  **mixed_precision_args(precision),
                                  gradient_checkpointing=gradient_checkpointing, optim=optim,
-                                 use_liger_kernel=liger_kernel, save_strategy="no", disable_tqdm=True, use_cpu=True,
-                                 report_to="none")
+                                 use_liger_kernel=liger_kernel, save_strategy="no", disable_tqdm=True,
+                                 report_to="none", **device_arguments(sharding, model))
     trainer = MetaTrainer(model=model, args=args)
     trainer.simulated_device = torch.device(device_type)
     return trainer
@@ -76,22 +89,38 @@ def enable_checkpointing(trainer: Trainer, model) -> None:
                                         every_n_layers=every_n_layers, offload=offload)
 
 
-def prepare_model(trainer: Trainer, model, rules, precision: str, prepared_before: bool = False) -> None:
-    """accelerate's `prepare_model` and `prepare_optimizer` without device placement, as
-    `Trainer._prepare_for_training` calls them (`accelerator.prepare(model, optimizer)`), its autocast
-    context CUDA's (`cuda_autocast_preparation`). amp-fp16: the accelerator gets the scaler that
-    accelerate makes on a GPU (`get_grad_scaler`: `torch.amp.GradScaler("cuda")`, defaults) on the
-    simulated device; on a CPU accelerate makes none. `prepared_before`: the model carries accelerate's
-    `_is_accelerate_prepared` from an earlier Trainer, so `prepare_model` leaves its forward unwrapped
-    (no autocast)."""
+def prepare_for_training(trainer: Trainer, rules, precision: str, prepared_before: bool = False):
+    """The Trainer's own `_prepare_for_training` (`create_optimizer`, `accelerator.prepare` of the model and the
+    optimizer: DDP's wrapper or FSDP2's sharding on several GPUs, then the scheduler), as `_inner_training_loop`
+    calls it; returns the model the steps call (`model_wrapped`). On the simulated device: no device placement
+    (the model stays where it is); accelerate's autocast wrapper CUDA's (`cuda_autocast_preparation`); amp-fp16's
+    scaler the one accelerate makes on a GPU (`torch.amp.GradScaler("cuda")`, defaults) on the simulated device;
+    torch's optimizers foreach on meta (CUDA's default; meta tensors have none). `prepared_before`: the model
+    carries accelerate's `_is_accelerate_prepared` from an earlier Trainer, so `prepare_model` leaves its forward
+    unwrapped (no autocast)."""
     accelerator = trainer.accelerator
+    accelerator.device_placement = False
     if precision_mode(precision).scaler:
         accelerator.scaler = torch.amp.GradScaler(trainer.simulated_device.type)
     if prepared_before:
-        model._is_accelerate_prepared = True
-    with cuda_autocast_preparation(accelerator, rules, precision):
-        accelerator.prepare_model(model, device_placement=False)
-    trainer.optimizer = accelerator.prepare_optimizer(trainer.optimizer, device_placement=False)
+        trainer.model._is_accelerate_prepared = True
+    create = type(trainer).create_optimizer
+
+    def create_optimizer(model=None):
+        optimizer = create(trainer, model)
+        if trainer.simulated_device.type == "meta":
+            for group in optimizer.param_groups:
+                if group.get("foreach", False) is None and not group.get("fused"):
+                    group["foreach"] = True
+        return optimizer
+
+    trainer.create_optimizer = create_optimizer
+    try:
+        with cuda_autocast_preparation(accelerator, rules, precision):
+            model, _ = trainer._prepare_for_training(STEPS, None, None)
+    finally:
+        del trainer.create_optimizer
+    return model
 
 
 @contextlib.contextmanager

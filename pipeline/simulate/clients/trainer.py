@@ -204,6 +204,8 @@ class TrainerRun:
         self.tr_loss = None
         self.prepared_before = False
         self.liger_patches = None
+        self.wrapped = None  # the model the steps call: DDP's wrapper, else the model
+        self.world = None  # several GPUs: `pipeline.simulate.distributed.clients.World`
 
     def models(self) -> list:
         """The models on the device whose weights are parameters (the trained one; DPO's reference too)."""
@@ -219,10 +221,11 @@ class TrainerRun:
 
     def setup(self) -> None:
         """The start of `Trainer.train()` (Liger's kernels), `_prepare_for_training` and the start of
-        `_inner_training_loop`."""
+        `_inner_training_loop` (on several GPUs in the world of `self.world`, which counts the models once they are
+        on the GPU and resets the peak counters where training begins)."""
         import torch
 
-        from pipeline.simulate.clients.parts import prepare_model
+        from pipeline.simulate.clients.parts import prepare_for_training
 
         self.tracker.start_phase("setup", "activations")
         # `_inner_training_loop` starts with `accelerator.free_memory()`: gc and torch.cuda.empty_cache(), which
@@ -241,26 +244,27 @@ class TrainerRun:
 
             enable_checkpointing(trainer, self.model)
             self.rules.wrap_checkpointing(self.model)
-        trainer.create_optimizer()
-        if self.device_type == "meta":  # CUDA's default for torch's optimizers; meta tensors have none
-            for group in trainer.optimizer.param_groups:
-                if group.get("foreach", False) is None and not group.get("fused"):
-                    group["foreach"] = True
-        prepare_model(trainer, self.model, self.rules, self.precision, self.prepared_before)
-        trainer.create_scheduler(num_training_steps=STEPS)
+        with self.world.preparing(self) if self.world is not None else contextlib.nullcontext():
+            self.wrapped = prepare_for_training(trainer, self.rules, self.precision, self.prepared_before)
+        self.model = trainer.model
         self.tr_loss = torch.tensor(0.0, device=self.device_type)
-        self.model.zero_grad()
+        self.wrapped.zero_grad()
+        if self.world is not None:  # on_train_begin
+            self.world.training_begins(self)
 
     def step(self) -> None:
         """One optimizer step: K micro-batches, clipping, the optimizer, the scheduler, zero_grad."""
-        trainer, model = self.trainer, self.model
+        trainer, model = self.trainer, self.wrapped
         self.tracker.start_phase("setup", "activations")
         self.batches = [self.micro_batch() for _ in range(self.accumulation)]  # get_batch_samples
         num_items = trainer._get_num_items_in_batch(self.batches, self.device_type)
         trainer.current_gradient_accumulation_steps = len(self.batches)
         for index, inputs in enumerate(self.batches):
-            trainer.accelerator.gradient_state._set_sync_gradients(index == len(self.batches) - 1)
-            loss = trainer.training_step(model, inputs, num_items)
+            last = index == len(self.batches) - 1
+            trainer.accelerator.gradient_state._set_sync_gradients(last)
+            # DDP holds its gradient all-reduce until the last micro-batch (a no-op on one GPU)
+            with contextlib.nullcontext() if last else trainer.accelerator.no_sync(model):
+                loss = trainer.training_step(model, inputs, num_items)
             self.tr_loss += loss
             del loss
         grad_norm = trainer._clip_grad_norm(model) if trainer.args.max_grad_norm > 0 else None

@@ -6,7 +6,9 @@ is worth keeping (small pool: >= 512 bytes; large pool: > 1 MiB); otherwise the 
 handed out and counted. Which block a request gets depends on what was allocated and freed
 before (best fit among the cached free blocks, else a new segment), so this class replays the
 allocator's rules (c10/cuda/CUDACachingAllocator.cpp, default settings: no expandable segments,
-no max_split_size, one stream) on the sequence of allocations and frees.
+no max_split_size) on the sequence of allocations and frees. Each stream has pools of its own: a segment
+belongs to the stream whose request made it, and only that stream's requests reuse its blocks (FSDP2
+all-gathers and reduce-scatters on streams of its own; `stream` names one, 0 the default stream).
 
 `torch.cuda.memory_reserved` is the sum of the segments (cudaMalloc'd memory). Within a training step
 nothing gives a segment back but `torch.cuda.empty_cache()` and a failed cudaMalloc, which frees the
@@ -56,8 +58,8 @@ class CachingAllocator:
         self.capacity = capacity
         self.out_of_memory = False
         self.peak = 0  # the largest `reserved`
-        self.free_blocks = {True: [], False: []}  # small pool? -> sorted [(size, address)]
-        self.blocks = {}  # address -> [size, is_free, small pool?]
+        self.free_blocks = {}  # (stream, small pool?) -> sorted [(size, address)]
+        self.blocks = {}  # address -> [size, is_free, (stream, small pool?)]
         self.ending_at = {}  # end address -> address of the block that ends there
         self.segments = {}  # segment start -> segment end
         self.next_segment = 0
@@ -65,35 +67,38 @@ class CachingAllocator:
         self.trace = None  # a list: the malloc/free events are recorded there (see `replay`)
         self.whole_free = set()  # addresses of free blocks that are a whole segment (what empty_cache gives back)
 
-    def malloc(self, nbytes: int) -> tuple[int, int]:
-        """Allocate `nbytes` (> 0); returns (address, block size counted as allocated)."""
+    def malloc(self, nbytes: int, stream=0) -> tuple[int, int]:
+        """Allocate `nbytes` (> 0) on `stream`; returns (address, block size counted as allocated)."""
         size = MIN_BLOCK if nbytes < MIN_BLOCK else -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size
         small = size <= SMALL_SIZE
-        pool = self.free_blocks[small]
+        key = (stream, small)
+        pool = self.free_blocks.get(key)
+        if pool is None:
+            pool = self.free_blocks[key] = []
         index = bisect_left(pool, (size, -1))
         if index < len(pool):
             block_size, address = pool.pop(index)
             if self.whole_free:
                 self.whole_free.discard(address)
         else:
-            address, block_size = self._grow(size, small)
+            address, block_size = self._grow(size, key)
         if self.trace is not None:
             self.trace.append((address, nbytes))
         remaining = block_size - size
         blocks = self.blocks
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
             rest = address + size
-            blocks[address] = [size, False, small]
+            blocks[address] = [size, False, key]
             self.ending_at[rest] = address
-            blocks[rest] = [remaining, True, small]
+            blocks[rest] = [remaining, True, key]
             self.ending_at[rest + remaining] = rest
             insort(pool, (remaining, rest))
             return address, size
         blocks[address][1] = False
         return address, block_size
 
-    def _grow(self, size: int, small: bool) -> tuple[int, int]:
-        """A new segment for a request that no cached block fits: (address, block size)."""
+    def _grow(self, size: int, key: tuple) -> tuple[int, int]:
+        """A new segment of pool `key` for a request that no cached block fits: (address, block size)."""
         block_size, address = segment_size(size), self.next_segment
         if self.capacity is not None and self.reserved + block_size > self.capacity:
             self.empty_cache()  # the allocator's retry after a failed cudaMalloc
@@ -102,7 +107,7 @@ class CachingAllocator:
         self.segments[address] = address + block_size
         self.reserved += block_size
         self.peak = max(self.peak, self.reserved)
-        self._place(address, block_size, small)
+        self._place(address, block_size, key)
         return address, block_size
 
     def free(self, address: int) -> int:
@@ -111,7 +116,7 @@ class CachingAllocator:
             self.trace.append((address, None))
         blocks, ending_at = self.blocks, self.ending_at
         block = blocks[address]
-        size, small = block[0], block[2]
+        size, key = block[0], block[2]
         merged_address, merged_size = address, size
         end = address + size
         following = blocks.get(end)
@@ -124,9 +129,9 @@ class CachingAllocator:
             self._unlist(previous)
             merged_address, merged_size = previous, merged_size + blocks[previous][0]
             del blocks[address], ending_at[address]
-        blocks[merged_address] = [merged_size, True, small]
+        blocks[merged_address] = [merged_size, True, key]
         ending_at[merged_address + merged_size] = merged_address
-        insort(self.free_blocks[small], (merged_size, merged_address))
+        insort(self.free_blocks[key], (merged_size, merged_address))
         if self.segments.get(merged_address) == merged_address + merged_size:
             self.whole_free.add(merged_address)
         return size
@@ -134,7 +139,7 @@ class CachingAllocator:
     def empty_cache(self) -> None:
         """torch.cuda.empty_cache(): give back every segment that is one free block."""
         for address in self.whole_free:
-            size, _, small = self.blocks[address]
+            size = self.blocks[address][0]
             self._unlist(address)  # in place: a malloc in progress holds the pool's list
             del self.blocks[address], self.ending_at[address + size], self.segments[address]
             self.reserved -= size
@@ -143,7 +148,7 @@ class CachingAllocator:
     def copy(self) -> CachingAllocator:
         """An independent copy of the allocator's state (the trace left out)."""
         twin = copy.copy(self)
-        twin.free_blocks = {small: list(pool) for small, pool in self.free_blocks.items()}
+        twin.free_blocks = {key: list(pool) for key, pool in self.free_blocks.items()}
         twin.blocks = {address: list(block) for address, block in self.blocks.items()}
         twin.ending_at, twin.segments, twin.whole_free = dict(self.ending_at), dict(self.segments), set(self.whole_free)
         twin.trace = None
@@ -162,13 +167,13 @@ class CachingAllocator:
                 self.free(addresses.pop(address))
         return addresses
 
-    def _place(self, address: int, size: int, small: bool) -> None:
-        self.blocks[address] = [size, False, small]
+    def _place(self, address: int, size: int, key: tuple) -> None:
+        self.blocks[address] = [size, False, key]
         self.ending_at[address + size] = address
 
     def _unlist(self, address: int) -> None:
-        size, _, small = self.blocks[address]
-        pool = self.free_blocks[small]
+        size, _, key = self.blocks[address]
+        pool = self.free_blocks[key]
         del pool[bisect_left(pool, (size, address))]
 
 
@@ -176,24 +181,25 @@ PAGE = {True: SMALL_SEGMENT, False: LARGE_SEGMENT}  # expandable segments map 2 
 
 
 class ExpandableSegments(CachingAllocator):
-    """The caching allocator with `expandable_segments:True`: per pool one segment that grows at its
-    end (the free block at the end grows with it); reserved = the mapped pages."""
+    """The caching allocator with `expandable_segments:True`: per pool (and stream) one segment that grows
+    at its end (the free block at the end grows with it); reserved = the mapped pages."""
 
     def __init__(self):
         super().__init__()
-        self.end = {True: 0, False: 1 << 60}  # each pool's segment in its own address range
-        self.start = dict(self.end)
+        self.end, self.start = {}, {}  # (stream, small pool?) -> its segment's end and start
 
-    def _grow(self, size: int, small: bool) -> tuple[int, int]:
-        address = self.ending_at.get(self.end[small])
+    def _grow(self, size: int, key: tuple) -> tuple[int, int]:
+        if key not in self.end:  # each pool's segment in an address range of its own
+            self.start[key] = self.end[key] = len(self.end) << 56
+        address = self.ending_at.get(self.end[key])
         if address is not None and self.blocks[address][1]:
             self._unlist(address)
-            del self.blocks[address], self.ending_at[self.end[small]]
+            del self.blocks[address], self.ending_at[self.end[key]]
         else:
-            address = self.end[small]
-        self.end[small] = address + size
-        self.reserved = sum(-(-(self.end[pool] - self.start[pool]) // PAGE[pool]) * PAGE[pool] for pool in PAGE)
-        self._place(address, size, small)
+            address = self.end[key]
+        self.end[key] = address + size
+        self.reserved = sum(-(-(self.end[k] - self.start[k]) // PAGE[k[1]]) * PAGE[k[1]] for k in self.end)
+        self._place(address, size, key)
         return address, size
 
     def empty_cache(self) -> None:
@@ -212,8 +218,8 @@ class Fanout:
     def __init__(self, allocators):
         self.allocators = list(allocators)
 
-    def malloc(self, nbytes: int) -> tuple[tuple, None]:
-        return tuple([a.malloc(nbytes)[0] for a in self.allocators]), None
+    def malloc(self, nbytes: int, stream=0) -> tuple[tuple, None]:
+        return tuple([a.malloc(nbytes, stream)[0] for a in self.allocators]), None
 
     def free(self, addresses: tuple) -> None:
         for allocator, address in zip(self.allocators, addresses):

@@ -16,10 +16,17 @@ so that the allocated-bytes replay stays as it was tuned; `host_outputs` ({op: f
 output indices}) names outputs that CUDA keeps on the host; `after_outputs(func, args, kwargs)`, when
 set, runs after an op's outputs are counted (what a kernel allocates then and keeps: cuBLAS's
 workspaces, `kernels.CublasWorkspaces`).
+
+On several GPUs two more things matter. `stream` (a callable naming the stream the code runs on, None: one
+stream) gives each request to its stream's pools in both replays. And a model given on the host (the CPU, as
+`from_pretrained` leaves it) is not on the GPU until the code moves it there: while `on_host` is set
+(`placed(host=True)`), storages made are the host's and not counted; a tensor that arrives on the GPU is
+counted from that moment (`pipeline.simulate.distributed.world`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from functools import partial
@@ -73,6 +80,8 @@ class LiveBytesTracker(TorchDispatchMode):
         self.category = "activations"
         self.phase = None
         self.peaks = {}  # "total" and each phase name -> Snapshot
+        self.stream = None  # () -> the current stream's name (FSDP2's side streams); None: the default stream
+        self.on_host = False  # storages made now are on the host: not counted
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -95,6 +104,8 @@ class LiveBytesTracker(TorchDispatchMode):
         if entry is not None:
             self._resized(entry, nbytes)
             return
+        if self.on_host:
+            return
         address, size = self._malloc(nbytes)
         category = category or self.category
         self.seq += 1
@@ -106,10 +117,33 @@ class LiveBytesTracker(TorchDispatchMode):
     def _malloc(self, nbytes: int):
         if self.allocator is None or nbytes <= 0:
             return None, allocated_bytes(nbytes)
-        return self.allocator.malloc(nbytes)
+        return self.allocator.malloc(nbytes, self.stream() if self.stream else 0)
 
     def _reserve(self, nbytes: int):
-        return self.reserved_allocator.malloc(nbytes)[0] if self.reserved_allocator and nbytes > 0 else None
+        if not self.reserved_allocator or nbytes <= 0:
+            return None
+        return self.reserved_allocator.malloc(nbytes, self.stream() if self.stream else 0)[0]
+
+    def is_counted(self, tensor) -> bool:
+        """Whether `tensor`'s storage is counted (on the simulated GPU), not the host's."""
+        return id(tensor.untyped_storage()) in self.entries
+
+    @contextlib.contextmanager
+    def placed(self, host: bool):
+        """Storages made in the block are the host's (`host`), or the GPU's."""
+        saved, self.on_host = self.on_host, host
+        try:
+            yield
+        finally:
+            self.on_host = saved
+
+    def reset_peaks(self) -> None:
+        """The peak counters reset, as `torch.cuda.reset_peak_memory_stats()` does: peaks start from what is live."""
+        self.peaks = {}
+        if self.reserved_allocator is not None:
+            for allocator in getattr(self.reserved_allocator, "allocators", [self.reserved_allocator]):
+                allocator.peak = allocator.reserved
+        self.note_peak()
 
     def _unreserve(self, address) -> None:
         if address is not None:
