@@ -92,7 +92,7 @@ class Trace:
 
     def __init__(self, device_type: str = "meta", *, gpu=None, reserve_limit: int | None = None,
                  warm: bool = False, cuda_rules: bool = True, blocks: bool = True, automatic: bool = True,
-                 stand_ins: dict | None = None, observer=None):
+                 stand_ins: dict | None = None, observer=None, tracker_class=LiveBytesTracker):
         from pipeline.formulas.gpus import outside_bytes
 
         self.device_type, self.gpu, self.warm, self.automatic = device_type, gpu, warm, automatic
@@ -107,9 +107,9 @@ class Trace:
         if automatic and meta:
             replaced.update(self._item_stand_ins(replaced))
         replaced.update(stand_ins or {})
-        self.tracker = LiveBytesTracker(device_type, workspace_rules() if cuda_rules else None, replaced or None,
-                                        self.observer, CachingAllocator() if blocks else None,
-                                        host_outputs() if cuda_rules else None, self.reserved)
+        self.tracker = tracker_class(device_type, workspace_rules() if cuda_rules else None, replaced or None,
+                                     self.observer, CachingAllocator() if blocks else None,
+                                     host_outputs() if cuda_rules else None, self.reserved)
         self.workspaces = None
         self.models = []  # watched models
         self.tracked = set()  # ids of parameters with their gradient hook

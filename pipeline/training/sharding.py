@@ -12,6 +12,8 @@ several processes), FSDP2 through accelerate's plugin for fsdp and fsdp-no-resha
 
 from __future__ import annotations
 
+import contextlib
+
 from pipeline.inputs.modeling import decoder_layers
 
 
@@ -19,17 +21,10 @@ def shard(model, sharding: str, mesh=None, device_ids=None, fake: bool = False):
     """`model` under `sharding` (see the module docstring); returns the module to call. `fake`:
     the process group is the fake one (DDP then gets `fake_allreduce_hook`)."""
     if sharding == "ddp":
-        import torch.nn.parallel.distributed as ddp
+        from torch.nn.parallel import DistributedDataParallel
 
-        # DDP's check that all ranks hold the same shapes reads an all-gathered tensor's values,
-        # which meta tensors have not; it is skipped in both runs (the real CPU check's too), so
-        # that they allocate alike. It allocates a few int64 per parameter and frees them at once.
-        verify = ddp._verify_param_shape_across_processes
-        ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
-        try:
-            module = ddp.DistributedDataParallel(model, device_ids=device_ids)
-        finally:
-            ddp._verify_param_shape_across_processes = verify
+        with shapes_unverified():
+            module = DistributedDataParallel(model, device_ids=device_ids)
         if fake:
             module.register_comm_hook(None, fake_allreduce_hook)
         return module
@@ -43,6 +38,21 @@ def shard(model, sharding: str, mesh=None, device_ids=None, fake: bool = False):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return model
+
+
+@contextlib.contextmanager
+def shapes_unverified():
+    """DDP's check that all ranks hold the same shapes reads an all-gathered tensor's values, which meta tensors
+    have not; it is skipped in the simulation and in the CPU check's real run alike, so that they allocate alike
+    (it allocates a few int64 per parameter and frees them at once)."""
+    import torch.nn.parallel.distributed as ddp
+
+    verify = ddp._verify_param_shape_across_processes
+    ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        ddp._verify_param_shape_across_processes = verify
 
 
 def fake_allreduce_hook(state, bucket):

@@ -74,16 +74,16 @@ class Run:
                 raise UserError(f"num_gpus {self.num_gpus} needs a sharding ({', '.join(SHARDINGS)})")
             return
         check_choice("sharding", self.sharding, SHARDINGS)
-        if self.client != "loop":
-            raise UserError(f"sharding is estimated for the loop client only, not {self.client}")
-        if self.adapter is not None:
-            raise UserError("sharding is estimated for full fine-tuning only, not with LoRA adapters")
+        if self.client == "loop" and self.adapter is not None:
+            raise UserError("the loop's sharded step is full fine-tuning; adapters on several GPUs run with the "
+                            "trainer, sft and dpo clients")
 
     @property
     def setting(self) -> Setting:
         """The run's `pipeline.training.step.Setting` (what the GPU measurement of it runs)."""
         return Setting(self.variant, self.optimizer, self.checkpointing, self.client, self.optim,
-                       self.gradient_accumulation, self.adapter, self.liger_kernel, self.completion_share)
+                       self.gradient_accumulation, self.adapter, self.liger_kernel, self.completion_share,
+                       None if self.client == "loop" else self.sharding)
 
     @property
     def optimizer_key(self) -> str:

@@ -47,9 +47,9 @@ def dpo_peak(config, run: Run) -> Estimate:
 
 def meta_dpo_trainer(model, reference, setting: Setting, precision: str, batch: int, seq: int, device_type: str,
                      rules):
-    """DPOTrainer with `pipeline.training.dpo.dpo_arguments` (use_cpu=True: the accelerator must not ask for
-    a GPU) on `model` and its `reference` (None with adapters), both left where they are, its inputs
-    placed on `device_type`; the reference prepared with CUDA's autocast of `rules`."""
+    """DPOTrainer with `pipeline.training.dpo.dpo_arguments` for the simulated device (`parts.device_arguments`)
+    on `model` and its `reference` (None with adapters), both left where they are, its inputs placed on
+    `device_type`; the reference prepared with CUDA's autocast of `rules`."""
     import tempfile
 
     import datasets
@@ -57,7 +57,7 @@ def meta_dpo_trainer(model, reference, setting: Setting, precision: str, batch: 
     from trl import DPOConfig, DPOTrainer
 
     from pipeline.inputs.modeling import vocabulary_size
-    from pipeline.simulate.clients.parts import on_simulated_device
+    from pipeline.simulate.clients.parts import device_arguments, on_simulated_device
     from pipeline.training.dpo import dataset_pairs, dpo_arguments, preference_dataset
     from pipeline.training.sft import peft_config, tokenizer
 
@@ -65,7 +65,7 @@ def meta_dpo_trainer(model, reference, setting: Setting, precision: str, batch: 
     datasets.disable_progress_bars()
     vocab = vocabulary_size(model)
     args = dpo_arguments(setting, precision, batch, seq, tempfile.mkdtemp(prefix="avp-simdpo-"), MetaDPOConfig,
-                         use_cpu=True)
+                         **device_arguments(setting.sharding, model))
     with references_prepared(rules, precision):
         trainer = MetaDPOTrainer(model=model, ref_model=reference, args=args, processing_class=tokenizer(vocab),
                                  train_dataset=preference_dataset(vocab, dataset_pairs(setting, batch), seq,

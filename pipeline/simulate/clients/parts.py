@@ -16,11 +16,12 @@ from pipeline.training.step import STEPS, autocast_dtype, mixed_precision_args
 
 class ModelStaysInPlace:
     """Training arguments (the Trainer's, SFTConfig, DPOConfig) that leave the model where it is: it lives on
-    the meta device."""
+    the meta device. On several GPUs the Trainer decides, as it does on GPUs (None: DDP moves the model with
+    `_move_model_to_device`, which the several-GPU wing counts as the model's arrival on the GPU; FSDP does not)."""
 
     @property
-    def place_model_on_device(self) -> bool:
-        return False
+    def place_model_on_device(self) -> bool | None:
+        return False if self.world_size == 1 else None
 
 
 class InputsOnSimulatedDevice:

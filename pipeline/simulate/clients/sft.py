@@ -86,8 +86,8 @@ def trl_peak(config, run: Run, client: str, unavailable, step_run, make_trainer)
 
 
 def meta_sft_trainer(model, setting: Setting, precision: str, batch: int, seq: int, device_type: str):
-    """SFTTrainer with `pipeline.training.sft.sft_arguments` (use_cpu=True: the accelerator must not ask
-    for a GPU), the model left where it is, its inputs placed on `device_type`."""
+    """SFTTrainer with `pipeline.training.sft.sft_arguments` for the simulated device (`parts.device_arguments`),
+    the model left where it is, its inputs placed on `device_type`."""
     import tempfile
 
     import datasets
@@ -95,14 +95,14 @@ def meta_sft_trainer(model, setting: Setting, precision: str, batch: int, seq: i
     from trl import SFTConfig, SFTTrainer
 
     from pipeline.inputs.modeling import vocabulary_size
-    from pipeline.simulate.clients.parts import on_simulated_device
+    from pipeline.simulate.clients.parts import device_arguments, on_simulated_device
     from pipeline.training.sft import dataset_rows, peft_config, random_dataset, sft_arguments, tokenizer
 
     MetaSFTTrainer, MetaSFTConfig = on_simulated_device(SFTTrainer, SFTConfig)
     datasets.disable_progress_bars()  # the dataset's preparation, on stderr
     vocab = vocabulary_size(model)
     args = sft_arguments(setting, precision, batch, seq, tempfile.mkdtemp(prefix="avp-simsft-"), MetaSFTConfig,
-                         use_cpu=True)
+                         **device_arguments(setting.sharding, model))
     trainer = MetaSFTTrainer(model=model, args=args, processing_class=tokenizer(vocab),
                              train_dataset=random_dataset(vocab, dataset_rows(setting, batch), seq,
                                                           setting.completion_share),

@@ -126,7 +126,7 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
     trace = trace if trace is not None else trainer_trace(device_type, reserve_limit, warm)
     rules, tracker, reserved, shadows = trace.rules, trace.tracker, trace.reserved, trace.observer
     set_training_mode(model, Setting())  # as the GPU client: checkpointing off, the Trainer switches it on
-    for counted in run.models():
+    for counted in run.models() if run.world is None else ():  # on several GPUs: once they are on the GPU
         trace.watch(counted)
     run.attach(rules, tracker)
     if run.liger:  # outside the tracker: its imports are no part of the step (pipeline.training.liger)
@@ -156,9 +156,11 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
     return result
 
 
-def trainer_trace(device_type: str = "meta", reserve_limit: int | None = None, warm: bool = True):
+def trainer_trace(device_type: str = "meta", reserve_limit: int | None = None, warm: bool = True, tracker_class=None,
+                  more_stand_ins: dict | None = None):
     """The Trace a Trainer client runs in: host shadows as its observer (on meta), the engine's in-place
-    gradient accumulation, the CPU's `addmm(out_dtype=...)`; phases and roles marked by the run."""
+    gradient accumulation, the CPU's `addmm(out_dtype=...)`; phases and roles marked by the run. On several
+    GPUs the several-GPU wing's tracker (`tracker_class`) and stand-ins (`more_stand_ins`)."""
     from pipeline.simulate.kernels.accumulation import accumulation_stand_ins
     from pipeline.simulate.kernels.paths import out_dtype_addmm_stand_ins
     from pipeline.simulate.values.shadows import Shadows, shadow_stand_ins
@@ -168,8 +170,10 @@ def trainer_trace(device_type: str = "meta", reserve_limit: int | None = None, w
     stand_ins = shadow_stand_ins(shadows) if shadows is not None else {}
     stand_ins.update(accumulation_stand_ins())  # on a real CPU run too: it is the engine's rule, not the device's
     stand_ins.update(out_dtype_addmm_stand_ins())
+    stand_ins.update(more_stand_ins or {})
+    extra = {} if tracker_class is None else {"tracker_class": tracker_class}
     return Trace(device_type, reserve_limit=reserve_limit, warm=warm, automatic=False, stand_ins=stand_ins,
-                 observer=shadows)
+                 observer=shadows, **extra)
 
 
 @contextlib.contextmanager

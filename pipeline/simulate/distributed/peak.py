@@ -28,7 +28,8 @@ from pipeline.training.values import Estimate, Run
 
 def distributed_peak(config, run: Run) -> Estimate:
     """Predicted `torch.cuda.max_memory_allocated()` of rank 0 of `run.num_gpus` in the standard step
-    with `run.batch` sequences per GPU, under `run.sharding` (ddp, fsdp, fsdp-no-reshard).
+    with `run.batch` sequences per GPU, under `run.sharding` (ddp, fsdp, fsdp-no-reshard); the Trainer clients
+    (trainer, sft, dpo) by `clients.sharded_client_peak`.
 
     Answers the peak, its components (bytes by role at the peak: parameters (this rank's shards),
     unsharded_parameters, all_gather, reduce_scatter, ddp_buckets, gradients, optimizer_state,
@@ -43,6 +44,10 @@ def distributed_peak(config, run: Run) -> Estimate:
     from pipeline.core.text import first_line
     from pipeline.simulate.predict import as_config, check_loop, estimate_of, meta_attention
 
+    if run.client != "loop":
+        from pipeline.simulate.distributed.clients import sharded_client_peak
+
+        return sharded_client_peak(config, run)
     start = time.perf_counter()
     check_loop(run)
     check_sharding(run.num_gpus, run.sharding)

@@ -50,6 +50,10 @@ def simulate_sharded_step(model, sharding: str, mesh, batch_size: int, seq_len: 
     tracker = ShardedTracker(device_type, workspace_rules() if cuda_rules else None,
                              {**scalar_stand_ins(), **host_copy_stand_ins()} if meta else None, observer,
                              CachingAllocator(), host_outputs() if cuda_rules else None, reserved)
+    if meta:  # FSDP2's side streams keep pools of their own (a real CPU run has one stream)
+        from pipeline.simulate.distributed.world import stream_name
+
+        tracker.stream = stream_name
     set_training_mode(model, setting)
     if gradient_checkpointing:
         rules.wrap_checkpointing(model)

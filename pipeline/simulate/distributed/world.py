@@ -62,3 +62,137 @@ def meta_fsdp():
     patches.append((param_group.FSDPParamGroup, "_validate_no_meta_params", lambda self: None))
     with attributes_set(patches):
         yield
+
+
+@contextlib.contextmanager
+def accelerate_on_gpus(num_gpus: int):
+    """accelerate (and the Trainer's arguments) told that this process is rank 0 of `num_gpus` GPUs: what
+    `torchrun --nproc_per_node N` gives a Trainer script. accelerate's `PartialState` detects the backend of the
+    fake process group as a GPU's (DistributedType.MULTI_GPU: DDP, or FSDP with the FSDP plugin), its device
+    is "meta" (ACCELERATE_TORCH_DEVICE, which accelerate reads before any CUDA call), the environment torchrun
+    sets is set, and TrainingArguments' check for a bf16 GPU answers as a bf16 GPU would. A meta tensor's
+    `data_ptr()` is its storage's address (on meta it is 0 for all; accelerate maps the optimizer's parameters
+    to FSDP2's sharded ones by it)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import transformers.training_args as training_args
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    environment = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": str(num_gpus), "LOCAL_WORLD_SIZE": str(num_gpus),
+                   "ACCELERATE_TORCH_DEVICE": "meta"}
+    saved = dict(os.environ)  # accelerate and transformers set more (ACCELERATE_USE_FSDP, FSDP_...): all put back
+    data_ptr = torch.Tensor.data_ptr
+
+    def meta_data_ptr(tensor):
+        if tensor.is_meta:
+            return tensor.untyped_storage()._cdata + tensor.storage_offset() * tensor.element_size()
+        return data_ptr(tensor)
+
+    def backend(cpu=False, sagemaker_dp=False, backend=None):
+        return "fake", DistributedType.MULTI_GPU
+
+    all_gather_into_tensor = dist.all_gather_into_tensor
+
+    def gathered(output, input, *args, **kwargs):
+        """Every rank gave what rank 0 gave: the host values of a gathered count (the Trainer's tokens of every
+        rank, TRL's `num_valid > 0`) are rank 0's, N times."""
+        work = all_gather_into_tensor(output, input, *args, **kwargs)
+        shadow = getattr(input, "_shadow", None)
+        if shadow is not None and output.numel() == num_gpus * input.numel():
+            output._shadow = shadow.reshape(-1).repeat(num_gpus).reshape(output.shape)
+        return work
+
+    patches = [(PartialState, "_prepare_backend", staticmethod(backend)),
+               (training_args, "is_torch_bf16_gpu_available", lambda: True),
+               (torch.Tensor, "data_ptr", meta_data_ptr), (dist, "all_gather_into_tensor", gathered)]
+    os.environ.update(environment)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with attributes_set(patches):
+            yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def stream_name():
+    """The stream the code runs on (FSDP2 on meta switches torch.cpu's streams): 0 for the default one."""
+    import torch
+
+    current = torch.cpu.current_stream()
+    return 0 if current is torch.cpu._default_cpu_stream else id(current)
+
+
+@contextlib.contextmanager
+def arrivals(tracker):
+    """The places where a model given on the host arrives on the GPU, counted from then on by `tracker` (see
+    `pipeline.simulate.memory.tracker`): the Trainer's `_move_model_to_device` (DDP) and accelerate's
+    `prepare_model` of a reference model in evaluation mode (a copy of each host tensor, as `.to("cuda")`
+    makes one), and `fully_shard` (FSDP2 moves a module's host tensors to the GPU, then shards them, on the
+    GPU); DDP's wrapper on meta (`MetaDistributedDataParallel`) made on the GPU too."""
+    import torch
+    import torch.distributed.fsdp as fsdp
+    import torch.distributed.fsdp._fully_shard._fsdp_init as fsdp_init
+    import torch.distributed.fsdp._fully_shard._fully_shard as fully_shard_module
+    from accelerate import Accelerator
+    from transformers import Trainer
+
+    def arrive(tensors) -> None:
+        with torch.no_grad():
+            for tensor in tensors:
+                if tracker.is_counted(tensor):
+                    continue
+                with tracker.placed(host=True):  # a view of the host tensor is the host's
+                    source = tensor.detach()
+                with tracker.placed(host=False):
+                    tensor.data = source.clone()
+
+    def move_model(self, model, device):
+        arrive(list(model.parameters()) + list(model.buffers()))
+
+    prepare_model = Accelerator.prepare_model
+
+    def prepare_reference(self, model, device_placement=None, evaluation_mode=False):
+        if evaluation_mode:
+            move_model(None, model, None)
+        return prepare_model(self, model, device_placement, evaluation_mode)
+
+    shard = fsdp.fully_shard
+
+    def fully_shard(*args, **kwargs):
+        with tracker.placed(host=False):
+            return shard(*args, **kwargs)
+
+    def move_states(params, buffers, device):
+        arrive([*params, *buffers])
+
+    # FSDP2's move lives in _fsdp_init (torch 2.14) or in _fully_shard (earlier): patched where it is called
+    patches = [(module, "_move_states_to_device", move_states) for module in (fsdp_init, fully_shard_module)
+               if hasattr(module, "_move_states_to_device")]
+    patches += [(fsdp, "fully_shard", fully_shard), (Trainer, "_move_model_to_device", move_model),
+               (Accelerator, "prepare_model", prepare_reference),
+               (torch.nn.parallel, "DistributedDataParallel", meta_ddp_class(tracker))]
+    with attributes_set(patches):
+        yield
+
+
+def meta_ddp_class(tracker):
+    """DistributedDataParallel as accelerate makes it (`device_ids=[local rank]`, the Trainer's kwargs) for a
+    model on meta: without device ids (meta has none), with the fake process group's all-reduce hook, its
+    buckets made on the GPU under the role ddp_buckets (and rebuilt there in the second step)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from pipeline.training.sharding import fake_allreduce_hook, shapes_unverified
+
+    class MetaDistributedDataParallel(DistributedDataParallel):
+        def __init__(self, module, device_ids=None, output_device=None, **kwargs):
+            with tracker.placed(host=False), tracker.scope("ddp_buckets"), shapes_unverified():
+                super().__init__(module, **kwargs)
+            self.register_comm_hook(None, fake_allreduce_hook)
+            self._pre_forward = tracker.scoped(self._pre_forward, "ddp_buckets")
+
+    return MetaDistributedDataParallel
