@@ -43,6 +43,27 @@ def test_simulation_equals_real_gloo_run_on_the_cpu(num_gpus, shardings, precisi
         assert real[sharding]["peak_bytes"] > 0
 
 
+def test_hsdp_and_tensor_parallel_equal_real_gloo_runs_on_the_cpu():
+    """HSDP (2 replicas x 2 shards), tensor parallelism 2 x FSDP2 2 and tensor parallelism 4 alone, on 4 gloo
+    ranks: the simulation (fake process group, meta) counts rank 0's bytes as the real run does."""
+    from pipeline.simulate.distributed.check import run_cpu_check
+    from pipeline.training.layout import Layout
+
+    by_size = {4: [Layout(4, "hsdp", 2), Layout(4, "fsdp", tensor_parallel=2)], 2: [Layout(2, None, tensor_parallel=2)]}
+    # the real runs first: a process forks its ranks before its own autograd has run
+    real = {str(layout): result for n, layouts in by_size.items()
+            for layout, result in zip(layouts, run_cpu_check(TINY_LLAMA, n, layouts, precision="bf16").values())}
+    for layout in by_size[4] + by_size[2]:
+        simulated = simulate(layout.num_gpus, layout.sharding, precision="bf16", shard_group=layout.shard_group,
+                             tensor_parallel=layout.tensor_parallel)
+        for key in COMPARED:
+            assert simulated[key] == real[str(layout)][key], (layout, key)
+    hsdp = simulate(4, "hsdp", shard_group=2)["phase_components"]["optimizer"]
+    fsdp = simulate(4, "fsdp")["phase_components"]["optimizer"]
+    # a replica of 2 shards keeps half of each parameter (a quarter under FSDP2 over 4)
+    assert 1.9 < hsdp["parameters"] / fsdp["parameters"] < 2.1
+
+
 def test_fsdp_holds_a_shard_of_the_parameters_and_ddp_a_bucket_copy_of_the_gradients():
     """TINY_LLAMA has 151,872 parameters (607,488 fp32 bytes); components at the optimizer peak."""
     ddp = simulate(4, "ddp")["phase_components"]["optimizer"]
@@ -75,7 +96,7 @@ def test_the_fake_world_and_the_fsdp_patches_are_undone():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_gpus=0, sharding="fsdp"), "num_gpus must be a positive integer"),
-    (dict(num_gpus=2, sharding="zero3"), "sharding 'zero3' is not one of ddp, fsdp, fsdp-no-reshard"),
+    (dict(num_gpus=2, sharding="zero3"), "sharding 'zero3' is not one of ddp, fsdp, fsdp-no-reshard, hsdp"),
 ])
 def test_bad_arguments_raise_user_error(kwargs, message):
     from pipeline.simulate.distributed.peak import distributed_peak

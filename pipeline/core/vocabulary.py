@@ -100,8 +100,9 @@ TRL_CLIENTS = ("sft", "dpo")
 # Adapters on a frozen base: LoRA, or QLoRA on a base quantized by bitsandbytes (nf4: 4-bit, int8: 8-bit)
 ADAPTER_METHODS = ("lora", "qlora")
 QUANTIZATIONS = ("nf4", "int8")
-# Several GPUs: DDP, FSDP2 fully_shard per decoder layer and the root (resharded after forward, or not)
-SHARDINGS = ("ddp", "fsdp", "fsdp-no-reshard")
+# Several GPUs: DDP, FSDP2 fully_shard per decoder layer and the root (resharded after forward, or not), HSDP
+# (FSDP2 on a 2-D mesh: shard groups replicated); `training.layout.Layout` adds tensor parallelism
+SHARDINGS = ("ddp", "fsdp", "fsdp-no-reshard", "hsdp")
 VARIANTS = ("standard", "blog")  # blog: the blog's own loop, loss = mean(logits)
 ATTENTIONS = ("default", "eager")  # as requested; default: the library's choice (sdpa)
 STATUSES = ("ok", "oom", "skipped", "error")

@@ -14,7 +14,7 @@ def simulate(config, run: Run) -> Estimate:
     """The run's peak on meta tensors, by its client: the loop (`loop_peak`), transformers.Trainer
     (`trainer_peak`), TRL's SFTTrainer (`sft_peak`) and DPOTrainer (`dpo_peak`) or several GPUs
     (`distributed_peak`)."""
-    if run.sharding is not None:
+    if run.layout.sharded:
         return distributed_peak(config, run)
     if run.client == "trainer":
         return trainer_peak(config, run)

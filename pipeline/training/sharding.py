@@ -1,9 +1,12 @@
 """A model sharded the way several GPUs shard it, the one call that the GPU measurement
 (`pipeline.measure.distributed`) and the simulator (`pipeline.simulate.distributed.step`) make.
 
-`shard(model, sharding, mesh)`: `fully_shard` on each decoder layer (`inputs.modeling.decoder_layers`:
-transformers' `_no_split_modules` classes) and on the root, `reshard_after_forward` true (`fsdp`) or
-false (`fsdp-no-reshard`); or `DistributedDataParallel` with its defaults (`ddp`).
+`shard(model, layout, mesh)` (`training.layout.Layout`): tensor parallelism first (transformers' own DTensor
+plan for the model, `apply_tensor_parallelism` over the mesh's "tp" dimension: what `from_pretrained(...,
+tp_plan="auto")` applies), then the data-parallel sharding: `fully_shard` on each decoder layer
+(`inputs.modeling.decoder_layers`: transformers' `_no_split_modules` classes) and on the root over the
+data-parallel mesh, `reshard_after_forward` true (`fsdp`, `hsdp`: a 2-D mesh of replicas x shards) or false
+(`fsdp-no-reshard`); or `DistributedDataParallel` with its defaults (`ddp`).
 
 `sharding_arguments(sharding, model)`: the keys of TrainingArguments (SFTConfig, DPOConfig) with which the
 Trainer clients run that sharding under `torchrun --nproc_per_node N`: none for DDP (what the Trainer does with
@@ -14,13 +17,16 @@ from __future__ import annotations
 
 import contextlib
 
+from pipeline.core.errors import UserError
 from pipeline.inputs.modeling import decoder_layers
 
 
-def shard(model, sharding: str, mesh=None, device_ids=None, fake: bool = False):
-    """`model` under `sharding` (see the module docstring); returns the module to call. `fake`:
-    the process group is the fake one (DDP then gets `fake_allreduce_hook`)."""
-    if sharding == "ddp":
+def shard(model, layout, mesh=None, device_ids=None, fake: bool = False):
+    """`model` under `layout` over `mesh` (see the module docstring); returns the module to call. `fake`: the
+    process group is the fake one (DDP then gets `fake_allreduce_hook`)."""
+    if layout.tensor_parallel > 1:
+        tensor_parallel(model, mesh["tp"])
+    if layout.sharding == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         with shapes_unverified():
@@ -28,16 +34,37 @@ def shard(model, sharding: str, mesh=None, device_ids=None, fake: bool = False):
         if fake:
             module.register_comm_hook(None, fake_allreduce_hook)
         return module
+    if layout.sharding is None:
+        return model
     from torch.distributed.fsdp import fully_shard
 
-    reshard = sharding == "fsdp"
+    data_mesh = layout.data_mesh(mesh) if mesh is not None else None
+    reshard = layout.sharding != "fsdp-no-reshard"
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules)")
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=data_mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=data_mesh, reshard_after_forward=reshard)
     return model
+
+
+def tensor_parallel(model, tp_mesh) -> None:
+    """transformers' tensor parallelism of `model` over `tp_mesh`: its plan's weights as DTensor shards, its
+    modules' input and output hooks."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    if not getattr(model, "tp_plan", None):
+        raise UserError(f"{type(model).__name__} declares no tensor-parallel plan (base_model_tp_plan): "
+                        "tensor_parallel needs one")
+    size = tp_mesh.size()
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(text, name, None)
+        if isinstance(heads, int) and heads % size:
+            raise UserError(f"tensor_parallel {size} does not divide the model's {heads} {name.replace('_', ' ')[4:]} "
+                            "(each rank computes whole heads)")
+    apply_tensor_parallelism(model, tp_mesh)
 
 
 @contextlib.contextmanager

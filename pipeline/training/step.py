@@ -151,12 +151,24 @@ def trainable(params) -> list:
 
 def make_optimizer(params, setting: Setting, foreach: bool | None = None):
     """AdamW, or SGD with momentum 0.9; `foreach=None` is torch's default for the device (foreach
-    on CUDA), which the simulator must name because meta tensors have no default."""
+    on CUDA), which the simulator must name because meta tensors have no default. Under tensor parallelism
+    the sharded weights (DTensors) and the replicated ones (the norms: plain tensors) are two parameter
+    groups: one foreach kernel takes tensors of one kind."""
     import torch
 
+    params = parameter_groups(list(params))
     if setting.optimizer == "sgd":
         return torch.optim.SGD(params, lr=LEARNING_RATE, momentum=0.9, foreach=foreach)
     return torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=foreach)
+
+
+def parameter_groups(params: list):
+    """`params`, or two groups when DTensors and plain tensors mix (tensor parallelism's sharded and replicated
+    weights)."""
+    sharded = [p for p in params if hasattr(p, "_local_tensor")]
+    if not sharded or len(sharded) == len(params):
+        return params
+    return [{"params": sharded}, {"params": [p for p in params if not hasattr(p, "_local_tensor")]}]
 
 
 def set_training_mode(model, setting: Setting) -> None:

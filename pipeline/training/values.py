@@ -10,9 +10,10 @@ from pipeline.core.io import cell
 from pipeline.training.adapters import AdapterSpec
 from pipeline.core.errors import UserError
 from pipeline.formulas.components import optimizer_key
+from pipeline.training.layout import Layout
 from pipeline.training.step import Setting
-from pipeline.core.vocabulary import (MAX_ACCUMULATION, MAX_BATCH, MAX_GPUS, MAX_SEQ, MAX_TOKENS, PRECISIONS, SHARDINGS,
-                                      check_bool, check_choice, check_positive_int)
+from pipeline.core.vocabulary import (MAX_ACCUMULATION, MAX_BATCH, MAX_SEQ, MAX_TOKENS, PRECISIONS, check_bool,
+                                      check_choice, check_positive_int)
 
 GIB = 2**30
 
@@ -35,8 +36,10 @@ class Run:
     client: str = "loop"
     optim: str | None = None  # the trainer's; None: adamw_torch_fused
     gradient_accumulation: int = 1  # micro-batches per optimizer step (trainer)
-    num_gpus: int = 1  # GPUs of a data-parallel run; `batch` is per GPU
-    sharding: str | None = None  # ddp, fsdp, fsdp-no-reshard (vocabulary.SHARDINGS); None: one GPU
+    num_gpus: int = 1  # GPUs of the run; `batch` is per data-parallel rank
+    sharding: str | None = None  # ddp, fsdp, fsdp-no-reshard, hsdp (vocabulary.SHARDINGS); None: one GPU
+    shard_group: int | None = None  # hsdp: the GPUs one copy of the model is sharded over
+    tensor_parallel: int = 1  # GPUs a layer is split over (transformers' tensor-parallel plan)
     adapter: AdapterSpec | None = None  # LoRA / QLoRA on a frozen base; None: full fine-tuning
     # bytes the process may reserve on its GPU (the fit verdict's device): the exact replay gives cached
     # segments back at that edge, as the allocator does after a failed cudaMalloc; None: no edge
@@ -68,15 +71,16 @@ class Run:
         self.check_sharding()
 
     def check_sharding(self) -> None:
-        object.__setattr__(self, "num_gpus", check_positive_int("num_gpus", self.num_gpus, MAX_GPUS))
-        if self.sharding is None:
-            if self.num_gpus > 1:
-                raise UserError(f"num_gpus {self.num_gpus} needs a sharding ({', '.join(SHARDINGS)})")
-            return
-        check_choice("sharding", self.sharding, SHARDINGS)
-        if self.client == "loop" and self.adapter is not None:
+        layout = Layout(self.num_gpus, self.sharding, self.shard_group, self.tensor_parallel)
+        object.__setattr__(self, "num_gpus", layout.num_gpus)
+        if self.client == "loop" and self.adapter is not None and layout.sharded:
             raise UserError("the loop's sharded step is full fine-tuning; adapters on several GPUs run with the "
                             "trainer, sft and dpo clients")
+
+    @property
+    def layout(self) -> Layout:
+        """The run's GPUs and how they split the work (`training.layout.Layout`)."""
+        return Layout(self.num_gpus, self.sharding, self.shard_group, self.tensor_parallel)
 
     @property
     def setting(self) -> Setting:

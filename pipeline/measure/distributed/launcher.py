@@ -28,7 +28,9 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 
 def point_key(row: dict) -> tuple:
     adapter = "lora" if row.get("lora_r") else "full"
-    return (row["model_id"], row["client"], row["precision"], int(row["num_gpus"]), row["sharding"], adapter,
+    group = row.get("shard_group")
+    return (row["model_id"], row["client"], row["precision"], int(row["num_gpus"]), row["sharding"],
+            None if group is None else int(group), int(row.get("tensor_parallel") or 1), adapter,
             bool(row["gradient_checkpointing"]), int(row["batch_size"]), int(row["seq_len"]))
 
 
@@ -184,7 +186,8 @@ class Scheduler:
         from pipeline.core.provenance import provenance
 
         return {**provenance(), "model_id": group.model_id, "client": group.client, "precision": group.precision,
-                "num_gpus": group.num_gpus, "sharding": group.sharding, "gradient_checkpointing": group.checkpointing,
+                "num_gpus": group.num_gpus, "sharding": group.sharding, "shard_group": group.shard_group,
+                "tensor_parallel": group.tensor_parallel, "gradient_checkpointing": group.checkpointing,
                 "lora_r": 16 if group.adapter == "lora" else None, "lora_alpha": 32 if group.adapter == "lora" else None,
                 "lora_targets": "all-linear" if group.adapter == "lora" else None, "batch_size": point[0],
                 "seq_len": point[1], "split": group.split, "variant": "standard", "attn_implementation": "default"}

@@ -5,7 +5,9 @@ measure, read from YAML and laid out as groups of points that run smallest first
     clients: [trainer, sft]               # loop, trainer, sft, dpo
     precisions: [bf16-autocast]           # default: the client's (bf16 weights under bf16 autocast; loop: bf16)
     num_gpus: [2, 4]
-    shardings: [ddp, fsdp]
+    shardings: [ddp, fsdp]                # also fsdp-no-reshard, hsdp; null: tensor parallelism alone
+    shard_groups: [2]                     # hsdp's S
+    tensor_parallel: [1, 2]               # T (the loop)
     adapters: [full, lora]                # lora: LoRA r=16, alpha 32, all linear layers
     checkpointing: [true]
     grid: {batch_sizes: [1, 4], seq_lens: [512, 2048]}   # or points: [[1, 512], [4, 2048]]
@@ -14,7 +16,7 @@ measure, read from YAML and laid out as groups of points that run smallest first
     groups:                               # optional: blocks that override the defaults above
       - {models: [...], clients: [dpo], num_gpus: [2]}
 
-A group is one (model, client, precision, N, sharding, adapter, checkpointing); its points run one torchrun each
+A group is one (model, client, precision, layout, adapter, checkpointing); its points run one torchrun each
 (every point is its process's first), smallest first, and an out-of-memory point settles every larger one
 (B' >= B and L' >= L) of its group as oom without running it.
 """
@@ -26,9 +28,10 @@ from pathlib import Path
 
 from pipeline.core.errors import UserError
 from pipeline.core.vocabulary import CLIENTS, PRECISIONS, SHARDINGS, SPLITS, check_choice
+from pipeline.training.layout import Layout
 
-DEFAULT_KEYS = {"models", "clients", "precisions", "num_gpus", "shardings", "adapters", "checkpointing", "grid",
-                "points", "split", "timeout_seconds", "configs"}
+DEFAULT_KEYS = {"models", "clients", "precisions", "num_gpus", "shardings", "shard_groups", "tensor_parallel",
+                "adapters", "checkpointing", "grid", "points", "split", "timeout_seconds", "configs"}
 PLAN_KEYS = DEFAULT_KEYS | {"groups"}
 ADAPTERS = ("full", "lora")
 # The precision a client runs on a model loaded in bf16 (the Trainer clients with bf16=True: bf16-autocast).
@@ -44,23 +47,28 @@ class Group:
     client: str
     precision: str
     num_gpus: int
-    sharding: str
+    sharding: str | None
     adapter: str
     checkpointing: bool
     points: tuple
     split: str = "tuned"
     timeout: int = DEFAULT_TIMEOUT
+    shard_group: int | None = None
+    tensor_parallel: int = 1
 
     @property
     def key(self) -> tuple:
-        return (self.model_id, self.client, self.precision, self.num_gpus, self.sharding, self.adapter,
-                self.checkpointing)
+        return (self.model_id, self.client, self.precision, self.num_gpus, self.sharding, self.shard_group,
+                self.tensor_parallel, self.adapter, self.checkpointing)
 
     def rank_arguments(self, batch: int, seq: int) -> list[str]:
         """The arguments of `python -m pipeline.measure.distributed rank` for one point of the group."""
-        return ["--model", self.model_id, "--client", self.client, "--precision", self.precision,
-                "--sharding", self.sharding, "--adapter", self.adapter, "--batch", str(batch), "--seq", str(seq),
-                "--split", self.split] + (["--checkpointing"] if self.checkpointing else [])
+        return (["--model", self.model_id, "--client", self.client, "--precision", self.precision, "--adapter",
+                 self.adapter, "--batch", str(batch), "--seq", str(seq), "--split", self.split,
+                 "--tensor-parallel", str(self.tensor_parallel)]
+                + (["--sharding", self.sharding] if self.sharding else [])
+                + (["--shard-group", str(self.shard_group)] if self.shard_group else [])
+                + (["--checkpointing"] if self.checkpointing else []))
 
 
 def read_plan(path) -> dict:
@@ -87,7 +95,11 @@ def check_block(block: dict, path) -> None:
     for precision in block.get("precisions", []):
         check_choice("precision", precision, PRECISIONS)
     for sharding in block.get("shardings", ["ddp", "fsdp"]):
-        check_choice("sharding", sharding, SHARDINGS)
+        if sharding is not None:
+            check_choice("sharding", sharding, SHARDINGS)
+    for n in block.get("num_gpus", [2]):
+        for layout in block_layouts(block, n):
+            Layout(n, *layout)
     for adapter in block.get("adapters", ["full"]):
         check_choice("adapter", adapter, ADAPTERS)
     check_choice("split", block.get("split", "tuned"), SPLITS)
@@ -110,13 +122,26 @@ def block_groups(block: dict, gpus: int | None) -> list[Group]:
         points = [(b, l) for b in block["grid"]["batch_sizes"] for l in block["grid"]["seq_lens"]]
     points = tuple(sorted(points, key=lambda p: (p[0] * p[1], p[0])))
     return [Group(model, client, precision, n, sharding, adapter, bool(checkpointing), points,
-                  block.get("split", "tuned"), int(block.get("timeout_seconds", DEFAULT_TIMEOUT)))
+                  block.get("split", "tuned"), int(block.get("timeout_seconds", DEFAULT_TIMEOUT)), group, tp)
             for n in sorted(block.get("num_gpus", [2])) if gpus is None or n <= gpus
             for model in block["models"] for client in block.get("clients", ["loop"])
             for precision in block.get("precisions") or [DEFAULT_PRECISION[client]]
-            for sharding in block.get("shardings", ["ddp", "fsdp"])
+            for sharding, group, tp in block_layouts(block, n)
             for adapter in block.get("adapters", ["full"])
             for checkpointing in block.get("checkpointing", [client in ("sft", "dpo")])]
+
+
+def block_layouts(block: dict, num_gpus: int) -> list[tuple]:
+    """(sharding, shard_group, tensor_parallel) of a block on `num_gpus` GPUs: each sharding with each T that
+    divides N (hsdp with each of its shard groups)."""
+    found = []
+    for tp in block.get("tensor_parallel", [1]):
+        if num_gpus % tp:
+            continue
+        for sharding in block.get("shardings", ["ddp", "fsdp"]):
+            groups = block.get("shard_groups", [None]) if sharding == "hsdp" else [None]
+            found += [(sharding, group, tp) for group in groups]
+    return found
 
 
 def settled_by(point: tuple, oom_at: list) -> tuple | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pipeline.measure.point import base_columns, build_point_model, finish_row, measure_point
 
-EXTRA_COLUMNS = ("num_gpus", "sharding", "rank", "split", "first_in_process", "nvml_context_bytes",
+EXTRA_COLUMNS = ("num_gpus", "sharding", "shard_group", "tensor_parallel", "rank", "split", "first_in_process", "nvml_context_bytes",
                  "nvml_train_end_bytes", "reserved_train_end_bytes", "reserved_by_stream")
 
 
@@ -35,6 +35,7 @@ def measure_rank(args) -> dict:
     from pipeline.inputs.records import model_record
     from pipeline.measure.device import setup_device
     from pipeline.training.adapters import AdapterSpec
+    from pipeline.training.layout import Layout
     from pipeline.training.step import Setting
 
     local_rank, rank = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("RANK", 0))
@@ -48,9 +49,10 @@ def measure_rank(args) -> dict:
                       sharding=None if args.client == "loop" else args.sharding)
     row = base_columns(record, args.precision, "default", setting, args.batch, args.seq)
     row.update(setup_device(device, allow_tf32=True))
-    row.update(num_gpus=world, sharding=args.sharding, rank=rank, split=args.split, first_in_process=True)
+    layout = Layout(world, args.sharding, args.shard_group, args.tensor_parallel)
+    row.update(layout.columns(), rank=rank, split=args.split, first_in_process=True)
     if args.client == "loop":
-        row.update(loop_point(record, args.precision, args.sharding, args.batch, args.seq, device, local_rank))
+        row.update(loop_point(record, args.precision, layout, args.batch, args.seq, device, local_rank))
     else:
         model, built = model_on_host(record, setting, args.precision, device)
         row.update(built, step_flops=6.0 * built["parameters"] * args.batch * args.seq)
@@ -88,7 +90,7 @@ def context_columns(device: str) -> dict:
     return {"nvml_context_bytes": used - torch.cuda.memory_reserved()}
 
 
-def loop_point(record, precision: str, sharding: str, batch: int, seq: int, device: str, local_rank: int) -> dict:
+def loop_point(record, precision: str, layout, batch: int, seq: int, device: str, local_rank: int) -> dict:
     """The standard step on the sharded model, three times (the loop client's steps); never raises."""
     import gc
 
@@ -109,7 +111,7 @@ def loop_point(record, precision: str, sharding: str, batch: int, seq: int, devi
                "allocated_before_bytes": torch.cuda.memory_allocated() if device == "cuda" else None}
     model = module = None
     try:
-        model, module = build_sharded(record, precision, sharding, device, local_rank)
+        model, module = build_sharded(record, precision, layout, device, local_rank)
         columns["weights_bytes"] = torch.cuda.memory_allocated() if device == "cuda" else None
         columns.update(context_columns(device) if device == "cuda" else {})
         seconds, state = run_steps(model, Setting(), precision, batch, seq, device, tracker, use_cache=False,
@@ -131,23 +133,22 @@ def loop_point(record, precision: str, sharding: str, batch: int, seq: int, devi
     return columns
 
 
-def build_sharded(record, precision: str, sharding: str, device: str, local_rank: int):
-    """(model, the module to call): FSDP2 from the meta device, DDP on the GPU; peaks reset after."""
+def build_sharded(record, precision: str, layout, device: str, local_rank: int):
+    """(model, the module to call): DDP on the GPU; FSDP2, HSDP and tensor parallelism from the meta device (given
+    storage on the GPU once sharded); peaks reset after."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from pipeline.inputs.modeling import build
     from pipeline.training.sharding import shard
 
     config = record.transformers_config()
     target = torch.device(device, local_rank) if device == "cuda" else torch.device("cpu")
-    if sharding == "ddp":
+    if layout.sharding == "ddp":
         model = build(config, precision, "default", device=str(target))
-        module = shard(model, sharding, device_ids=[local_rank] if device == "cuda" else None)
+        module = shard(model, layout, device_ids=[local_rank] if device == "cuda" else None)
     else:
         model = build(config, precision, "default", device="meta")
-        module = shard(model, sharding, init_device_mesh(device, (dist.get_world_size(),)))
+        module = shard(model, layout, layout.mesh(device))
         model.to_empty(device=target)
     if device == "cuda":
         torch.cuda.synchronize()

@@ -28,7 +28,8 @@ from pathlib import Path
 def run_cpu_check(config: dict, num_gpus: int, shardings=("ddp", "fsdp"), batch_size: int = 2, seq_len: int = 24,
                   precision: str = "fp32", attn_implementation: str = "eager",
                   gradient_checkpointing: bool = False) -> dict:
-    """Rank 0's result of `simulate_sharded_step` on the CPU, per sharding: {sharding: result}.
+    """Rank 0's result of `simulate_sharded_step` on the CPU, per sharding (a name, or a `Layout` of `num_gpus`:
+    hsdp, tensor parallelism): {str(sharding): result}.
 
     `config`: a config.json dict (a small model: the weights are real). One spawn of `num_gpus`
     processes runs every sharding in turn, each on a freshly built model."""
@@ -83,27 +84,33 @@ def _worker(rank: int, world_size: int, port: int, config: dict, shardings: list
             precision: str, attn_implementation: str, gradient_checkpointing: bool, out: str) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
     from pipeline.simulate.distributed.step import simulate_sharded_step
+    from pipeline.training.values import Run
 
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        mesh = init_device_mesh("cpu", (world_size,))
         results = {}
         for sharding in shardings:
+            layout = layout_of(sharding, world_size)
+            run = Run(batch_size, seq_len, precision, checkpointing=gradient_checkpointing, **layout.columns())
             torch.manual_seed(0)
             model = build(config_from_dict(config), precision, attn_implementation, device="cpu")
             with detached_collectives():
-                results[sharding] = simulate_sharded_step(model, sharding, mesh, batch_size, seq_len, precision,
-                                                          gradient_checkpointing=gradient_checkpointing,
-                                                          device_type="cpu")
+                results[str(sharding)] = simulate_sharded_step(model, run, layout.mesh("cpu"), device_type="cpu")
             dist.barrier()
         if rank == 0:
             Path(out).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
+
+
+def layout_of(sharding, num_gpus: int):
+    """A sharding's name on `num_gpus` GPUs, or a `training.layout.Layout` as it is."""
+    from pipeline.training.layout import Layout
+
+    return sharding if isinstance(sharding, Layout) else Layout(num_gpus, sharding)

@@ -69,14 +69,14 @@ def sharded_client_peak(config, run: Run) -> Estimate:
                           more_stand_ins=host_copy_stand_ins())
     tracker = trace.tracker
     tracker.stream = stream_name
-    with fake_world(run.num_gpus), meta_fsdp(), accelerate_on_gpus(run.num_gpus), arrivals(tracker), roles(tracker):
+    with fake_world(run.layout), meta_fsdp(), accelerate_on_gpus(run.num_gpus), arrivals(tracker), roles(tracker):
         model = host_model(config, run)
         with trace.rules, tracker, tracker.placed(host=True):  # the trainer's __init__ (DDP moves the model)
             trainer = trainer_of(model, run, trace)
         step_run = run_class(run.client)(trainer, run.seq, run.precision, run.checkpointing, "meta")
         step_run.world = World(trace)
         result = simulate_run(step_run, trace=trace)
-    result.update(num_gpus=run.num_gpus, sharding=run.sharding)
+    result.update(run.layout.columns())
     if run.adapter is not None:
         from pipeline.training.adapters import trainable_parameters
 
@@ -89,6 +89,9 @@ def sharded_client_peak(config, run: Run) -> Estimate:
 def check_sharded_client(run: Run) -> None:
     from pipeline.core.vocabulary import precision_mode
 
+    if run.layout.sharding == "hsdp" or run.layout.tensor_parallel > 1:
+        raise UserError(f"{run.layout.describe()} is simulated for the loop client; the {run.client} client runs "
+                        "ddp, fsdp and fsdp-no-reshard")
     if precision_mode(run.precision).scaler:
         raise UserError("amp-fp16 (a gradient scaler over sharded gradients) is not simulated on several GPUs yet")
     if run.sharding != "ddp" and run.adapter is not None and run.adapter.quantization:

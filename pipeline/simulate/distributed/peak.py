@@ -22,7 +22,6 @@ import time
 
 from pipeline.core.errors import UserError
 
-from pipeline.core.vocabulary import SHARDINGS
 from pipeline.training.values import Estimate, Run
 
 
@@ -50,7 +49,6 @@ def distributed_peak(config, run: Run) -> Estimate:
         return sharded_client_peak(config, run)
     start = time.perf_counter()
     check_loop(run)
-    check_sharding(run.num_gpus, run.sharding)
     if run.precision == "amp-fp16":
         raise UserError("amp-fp16 (a gradient scaler over sharded gradients) is not simulated under ddp or fsdp yet")
     config = as_config(config)
@@ -58,15 +56,7 @@ def distributed_peak(config, run: Run) -> Estimate:
         model = build(config, run.precision, meta_attention(run.attn_implementation) or "default", device="meta")
     except Exception as exc:  # noqa: BLE001 - transformers rejects some configs / attention choices
         raise UserError(f"the model cannot be built from this config: {first_line(exc)}") from None
-    with fake_world(run.num_gpus) as mesh, meta_fsdp():
-        result = simulate_sharded_step(model, run.sharding, mesh, run.batch, run.seq, run.precision, run.optimizer,
-                                       run.checkpointing, device_type="meta")
-    result.update(num_gpus=run.num_gpus, sharding=run.sharding)
+    with fake_world(run.layout) as mesh, meta_fsdp():
+        result = simulate_sharded_step(model, run, mesh, device_type="meta")
+    result.update(run.layout.columns())
     return estimate_of(result, start)
-
-
-def check_sharding(num_gpus, sharding) -> None:
-    from pipeline.core.vocabulary import check_choice, check_positive_int
-
-    check_positive_int("num_gpus", num_gpus)
-    check_choice("sharding", sharding, SHARDINGS)

@@ -27,12 +27,12 @@ from pipeline.training.step import (STEPS, Setting, autocast_dtype, make_optimiz
 PHASES = ("forward", "backward", "optimizer")
 
 
-def simulate_sharded_step(model, sharding: str, mesh, batch_size: int, seq_len: int, precision: str = "fp32",
-                          optimizer: str = "adamw", gradient_checkpointing: bool = False,
-                          device_type: str = "meta", cuda_rules: bool = True, steps: int = STEPS) -> dict:
-    """Rank 0's live bytes over `steps` standard steps of `model` (unsharded, on `device_type`)
-    sharded by `sharding` over `mesh`'s default process group. Returns peak_bytes, components (by
-    role at the peak), peak_phase, phase_peaks, peak_reserved_bytes, peak_reserved_expandable_bytes."""
+def simulate_sharded_step(model, run, mesh, device_type: str = "meta", cuda_rules: bool = True,
+                          steps: int = STEPS) -> dict:
+    """Rank 0's live bytes over `steps` standard steps of `run` (a `training.values.Run` of the loop: its batch
+    and sequence per GPU, precision, optimizer, checkpointing and layout) on `model` (unsharded, on
+    `device_type`), sharded over `mesh`. Returns peak_bytes, components (by role at the peak), peak_phase,
+    phase_peaks, peak_reserved_bytes, peak_reserved_expandable_bytes."""
     import torch
 
     from pipeline.simulate.distributed.tracker import ShardedTracker, host_copy_stand_ins
@@ -41,7 +41,8 @@ def simulate_sharded_step(model, sharding: str, mesh, batch_size: int, seq_len: 
     from pipeline.simulate.kernels.rules import KernelRules
     from pipeline.simulate.values.stand_ins import UniformValues, scalar_stand_ins
 
-    setting = Setting("standard", optimizer, gradient_checkpointing)
+    layout, precision, batch_size, seq_len = run.layout, run.precision, run.batch, run.seq
+    setting = Setting("standard", run.optimizer, run.checkpointing)
     setting.check()
     meta = device_type == "meta"
     rules = KernelRules(device_type, sdpa=cuda_rules)
@@ -55,19 +56,21 @@ def simulate_sharded_step(model, sharding: str, mesh, batch_size: int, seq_len: 
 
         tracker.stream = stream_name
     set_training_mode(model, setting)
-    if gradient_checkpointing:
+    if run.checkpointing:
         rules.wrap_checkpointing(model)
     amp_dtype = autocast_dtype(precision)
     amp = (lambda: rules.autocast(amp_dtype)) if amp_dtype is not None else contextlib.nullcontext
     fake = _fake_group()
-    if sharding != "ddp":  # sharded before the peak counter starts, as the GPU run does
-        module = shard(model, sharding, mesh)
+    if layout.sharding != "ddp":  # sharded before the peak counter starts, as the GPU run does
+        module = shard(model, layout, mesh)
+        if layout.tensor_parallel > 1:  # a tensor-parallel shard is a view of its full weight until given storage
+            model.to_empty(device=device_type)
     with rules, tracker, roles(tracker):
         for tensor in list(model.parameters()) + list(model.buffers()):
             tracker.track(tensor, "parameters")
-        if sharding == "ddp":
+        if layout.sharding == "ddp":
             with tracker.scope("ddp_buckets"):
-                module = shard(model, sharding, mesh, fake=fake)
+                module = shard(model, layout, mesh, fake=fake)
             module._pre_forward = tracker.scoped(module._pre_forward, "ddp_buckets")  # rebuilds the buckets
         workspaces = [torch.empty(size, dtype=torch.uint8, device=device_type) for size in CUBLAS_WORKSPACES]
         for workspace in workspaces if cuda_rules else ():

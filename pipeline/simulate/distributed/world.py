@@ -28,17 +28,17 @@ from pipeline.core.patches import attributes_set
 
 
 @contextlib.contextmanager
-def fake_world(num_gpus: int):
-    """The default process group: rank 0 of `num_gpus` on the fake backend; yields a CPU mesh."""
+def fake_world(layout):
+    """The default process group: rank 0 of `layout.num_gpus` on the fake backend; yields the layout's mesh on
+    the CPU (`training.layout.Layout.mesh`)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise UserError("the sharded simulation needs a process without a process group of its own")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=num_gpus)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.num_gpus)
     try:
-        yield init_device_mesh("cpu", (num_gpus,))
+        yield layout.mesh("cpu")
     finally:
         dist.destroy_process_group()
 
@@ -58,6 +58,8 @@ def meta_fsdp():
         return torch.cpu if device_type == "meta" else original_handle(device_type)
 
     patches = [(module, "_get_device_handle", device_handle) for module in (collectives, param_group, state)]
+    # CUDA's streams hand back an event that was recorded; FSDP2 checks for one (HSDP's all-reduce)
+    patches.append((torch.cpu.Stream, "record_event", lambda stream: torch.cpu.Event()))
     patches.append((fully_shard_module, "_get_device_from_mesh", lambda mesh: torch.device("meta")))
     patches.append((param_group.FSDPParamGroup, "_validate_no_meta_params", lambda self: None))
     with attributes_set(patches):
