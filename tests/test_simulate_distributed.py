@@ -142,7 +142,7 @@ def test_distributed_dry_run_prints_one_torchrun_per_point(tmp_path):
     bad.write_text("models: [x]\nshardings: [zero3]\ngrid: {batch_sizes: [1], seq_lens: [8]}\n")
     result = subprocess.run([sys.executable, "-m", "pipeline.measure.distributed", "--plan", str(bad), "--dry-run"],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and result.stderr.strip() == "error: sharding 'zero3' is not one of ddp, fsdp, fsdp-no-reshard"
+    assert result.returncode == 2 and result.stderr.strip() == "error: sharding 'zero3' is not one of ddp, fsdp, fsdp-no-reshard, hsdp"
 
 
 def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
