@@ -98,8 +98,9 @@ def check_block(block: dict, path) -> None:
         if sharding is not None:
             check_choice("sharding", sharding, SHARDINGS)
     for n in block.get("num_gpus", [2]):
-        for layout in block_layouts(block, n):
-            Layout(n, *layout)
+        if not block_layouts(block, n):
+            raise UserError(f"{path}: no layout of {n} GPUs among the group's shardings, shard_groups and "
+                            "tensor_parallel")
     for adapter in block.get("adapters", ["full"]):
         check_choice("adapter", adapter, ADAPTERS)
     check_choice("split", block.get("split", "tuned"), SPLITS)
@@ -132,15 +133,17 @@ def block_groups(block: dict, gpus: int | None) -> list[Group]:
 
 
 def block_layouts(block: dict, num_gpus: int) -> list[tuple]:
-    """(sharding, shard_group, tensor_parallel) of a block on `num_gpus` GPUs: each sharding with each T that
-    divides N (hsdp with each of its shard groups)."""
+    """(sharding, shard_group, tensor_parallel) of a block on `num_gpus` GPUs: the valid layouts among each sharding
+    with each T (hsdp with each of its shard groups)."""
     found = []
     for tp in block.get("tensor_parallel", [1]):
-        if num_gpus % tp:
-            continue
         for sharding in block.get("shardings", ["ddp", "fsdp"]):
-            groups = block.get("shard_groups", [None]) if sharding == "hsdp" else [None]
-            found += [(sharding, group, tp) for group in groups]
+            for group in block.get("shard_groups", [None]) if sharding == "hsdp" else [None]:
+                try:
+                    Layout(num_gpus, sharding, group, tp)
+                except UserError:
+                    continue
+                found.append((sharding, group, tp))
     return found
 
 
