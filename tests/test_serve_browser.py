@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 def _missing() -> str | None:
     if not Path(CHROMIUM).exists():
-        return f"no Chromium at {CHROMIUM} (apt-get install chromium chromium-driver; or set AVP_CHROMIUM)"
+        return f"no Chromium at {CHROMIUM} (apt-get install chromium; or set AVP_CHROMIUM)"
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
