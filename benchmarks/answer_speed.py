@@ -127,9 +127,12 @@ def cold_rows(model: str, repeats: int) -> None:
             continue
         ratio = f"{statistics.median(walls) / torch_wall:.1f}x torch's wall, {statistics.median(cpus) / torch_cpu:.1f}x its CPU"
         row(name, walls, cpus, f"<= {2 * torch_wall:.2f} (2x torch)", ratio)
-    exact = statistics.median(w for w, _ in measured["estimate --model, exact"])
-    print(f"\ncold exact answer {exact:.2f} s, python -c 'import torch' {torch_wall:.2f} s: {exact / torch_wall:.2f}x "
-          f"(goal <= 2x: {'met' if exact <= 2 * torch_wall else 'not met'})", flush=True)
+    exact_wall, exact_cpu = (statistics.median(x) for x in zip(*measured["estimate --model, exact"]))
+    # on a shared machine the wall ratio follows the load; the CPU ratio much less so: the goal is judged on both
+    met = exact_wall <= 2 * torch_wall and exact_cpu <= 2 * torch_cpu
+    print(f"\ncold exact answer {exact_wall:.2f} s ({exact_cpu:.2f} CPU s), python -c 'import torch' {torch_wall:.2f} s "
+          f"({torch_cpu:.2f} CPU s): {exact_wall / torch_wall:.2f}x wall, {exact_cpu / torch_cpu:.2f}x CPU "
+          f"(goal <= 2x: {'met' if met else 'not met'})", flush=True)
 
 
 def warm_rows(model: str, gpu: str, repeats: int) -> None:

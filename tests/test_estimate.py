@@ -225,9 +225,10 @@ def test_the_exact_command_imports_only_what_its_question_needs():
 
     argv = ["python -m pipeline", "estimate", "--model", "Qwen/Qwen2.5-0.5B", "--batch", "1", "--seq", "64",
             "--precision", "bf16", "--method", "exact", "--json"]
+    looked_for = sorted(UNUSED_BY_AN_EXACT_ANSWER | {"torch", "transformers"})
     code = (f"import runpy, sys\nsys.argv = {argv!r}\ntry:\n    runpy.run_module('pipeline', run_name='__main__', "
             "alter_sys=True)\nexcept SystemExit:\n    pass\ntops = {m.split('.')[0] for m in sys.modules}\n"
-            f"print(sorted(tops & set({sorted(UNUSED_BY_AN_EXACT_ANSWER | {'torch', 'transformers'})!r})), file=sys.stderr)")
+            f"print(sorted(tops & set({looked_for!r})), file=sys.stderr)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=offline_env(), timeout=300)
     assert json.loads(done.stdout)["method"] == "exact"
     assert done.stderr.strip().splitlines()[-1] == "['torch', 'transformers']"

@@ -21,8 +21,8 @@ HANG_TIMEOUT = 3
 CHUNK = 2**28
 RUNAWAY_BYTES = 16 * GIB
 # Maps 256 MiB at a time up to 16 GiB, saying how far it got: past MEM, so the bound must stop it.
-RUNAWAY = (f"chunks = []\nfor i in range({RUNAWAY_BYTES // CHUNK}):\n    chunks.append(np.empty({CHUNK}, dtype=np.uint8))\n"
-           "    print(i + 1, flush=True)\nresult = len(chunks)")
+RUNAWAY = (f"chunks = []\nfor i in range({RUNAWAY_BYTES // CHUNK}):\n"
+           f"    chunks.append(np.empty({CHUNK}, dtype=np.uint8))\n    print(i + 1, flush=True)\nresult = len(chunks)")
 # Touches 1 GiB: within MEM, over what a 4 GiB RLIMIT_AS left a child that imported torch's CUDA build.
 WITHIN = "block = np.ones(2**30, dtype=np.uint8)\nresult = int(block[::4096].sum())"
 HANG = "while True:\n    pass"

@@ -33,7 +33,8 @@ QLORA = {"model": "meta-llama/Llama-3.1-8B", "batch": 4, "seq": 4096, "precision
 PASTED = {"config": TINY_CONFIG, "batch": 2, "seq": 128, "precision": "bf16", "gpu": "T4"}
 # An SFTTrainer user's question in the command's words: bf16 weights, TRL's bf16=True, QLoRA
 SFT_QLORA = {"model": "Qwen/Qwen2.5-0.5B", "batch": 4, "seq": 1024, "weights_dtype": "bf16", "client": "sft",
-             "optim": "adamw_torch_fused", "checkpointing": True, "lora_r": 16, "quantization": "nf4", "gpu": "RTX 4090"}
+             "optim": "adamw_torch_fused", "checkpointing": True, "lora_r": 16, "quantization": "nf4",
+             "gpu": "RTX 4090"}
 
 pytestmark = pytest.mark.slow
 

@@ -201,7 +201,8 @@ function precisionWords(client) {
   const weights = $("weights_dtype").value, autocast = $("autocast").value;
   const precision = precisionOf(weights, autocast);
   if (!precision) {
-    throw new FieldError("autocast", `${autocast} autocast on ${weights} weights is not a precision this project models`);
+    throw new FieldError("autocast",
+      `${autocast} autocast on ${weights} weights is not a precision this project models`);
   }
   return TRL_CLIENTS.includes(client) && autocast === "bf16" ? {weights_dtype: weights} : {precision};
 }
