@@ -4,7 +4,8 @@
 
 Cold: fresh processes, as a user's first command: `python -c "import torch"` (the yardstick),
 `python -m pipeline estimate ... --json` with the formula, the heuristic (given a parameter count, and
-given the model) and the exact method. Warm: `python -m pipeline serve` on a free localhost port, its
+given the model) and the exact method (B=1, L=512), interleaved; the last line puts the exact answer beside
+the yardstick (issue 26: at most twice `import torch`). Warm: `python -m pipeline serve` on a free localhost port, its
 simulator warmed up and each question asked once before the timed asks; then each question asked
 `repeats` times over HTTP: the formula, the model's exact answer at B=4, L=2048 (bf16; the loop, the
 Trainer, LoRA, the Trainer with LoRA), and the largest-batch and longest-sequence searches on the GPU
@@ -36,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 QUESTION = {"batch": 4, "seq": 2048, "precision": "bf16", "method": "exact"}
+COLD = {"batch": 1, "seq": 512, "precision": "bf16"}  # the cold command's question (issue 26's)
 
 
 def load() -> str:
@@ -102,24 +104,35 @@ def header(title: str) -> None:
 
 
 def cold_rows(model: str, repeats: int) -> None:
-    estimate = [sys.executable, "-m", "pipeline", "estimate", "--batch", "4", "--seq", "2048", "--precision", "bf16",
-                "--json"]
+    """Each command as a fresh process, the repeats interleaved (a shared machine's load falls on all of them
+    alike); then the exact answer beside `import torch`, issue 26's goal (at most twice)."""
+    estimate = [sys.executable, "-m", "pipeline", "estimate", "--batch", str(COLD["batch"]), "--seq",
+                str(COLD["seq"]), "--precision", COLD["precision"], "--json"]
     runs = {"python -c 'import torch'": [sys.executable, "-c", "import torch"],
             "estimate --model, formula": [*estimate, "--model", model, "--method", "formula"],
             "estimate --params, heuristic": [*estimate, "--params", "7615616512", "--method", "heuristic"],
             "estimate --model, heuristic": [*estimate, "--model", model, "--method", "heuristic"],
             "estimate --model, exact": [*estimate, "--model", model, "--method", "exact"]}
-    header(f"cold: a fresh process ({model}, B=4, L=2048, bf16), median of {repeats}")
-    torch_wall = None
-    for name, argv in runs.items():
-        walls, cpus = zip(*(cold(argv) for _ in range(repeats)))
-        if torch_wall is None:
-            torch_wall, torch_cpu = statistics.median(walls), statistics.median(cpus)
+    header(f"cold: a fresh process ({model}, B={COLD['batch']}, L={COLD['seq']}, {COLD['precision']}), "
+           f"median of {repeats}, interleaved")
+    measured = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, argv in runs.items():
+            measured[name].append(cold(argv))
+    torch_wall, torch_cpu = (statistics.median(x) for x in zip(*measured["python -c 'import torch'"]))
+    for name, pairs in measured.items():
+        walls, cpus = zip(*pairs)
+        if name.startswith("python"):
             row(name, walls, cpus, "(yardstick)")
             continue
-        target = "as fast as can be" if name.endswith("exact") else f"<= {2 * torch_wall:.2f} (2x torch)"
         ratio = f"{statistics.median(walls) / torch_wall:.1f}x torch's wall, {statistics.median(cpus) / torch_cpu:.1f}x its CPU"
-        row(name, walls, cpus, target, ratio)
+        row(name, walls, cpus, f"<= {2 * torch_wall:.2f} (2x torch)", ratio)
+    exact_wall, exact_cpu = (statistics.median(x) for x in zip(*measured["estimate --model, exact"]))
+    # on a shared machine the wall ratio follows the load; the CPU ratio much less so: the goal is judged on both
+    met = exact_wall <= 2 * torch_wall and exact_cpu <= 2 * torch_cpu
+    print(f"\ncold exact answer {exact_wall:.2f} s ({exact_cpu:.2f} CPU s), python -c 'import torch' {torch_wall:.2f} s "
+          f"({torch_cpu:.2f} CPU s): {exact_wall / torch_wall:.2f}x wall, {exact_cpu / torch_cpu:.2f}x CPU "
+          f"(goal <= 2x: {'met' if met else 'not met'})", flush=True)
 
 
 def warm_rows(model: str, gpu: str, repeats: int) -> None:

@@ -17,7 +17,8 @@ from pathlib import Path
 from conftest import REPO, offline_env, pipeline
 
 # The command line's flag of each field (pipeline/estimate/cli.py; the page's copy has the same list).
-FLAGS = {"batch": "--batch", "seq": "--seq", "precision": "--precision", "client": "--client",
+FLAGS = {"batch": "--batch", "seq": "--seq", "precision": "--precision", "weights_dtype": "--weights-dtype",
+         "client": "--client",
          "optimizer": "--optimizer", "optim": "--optim", "gradient_accumulation": "--gradient-accumulation",
          "checkpointing": "--checkpointing", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
          "lora_targets": "--lora-targets", "quantization": "--quantization", "num_gpus": "--num-gpus",

@@ -14,6 +14,7 @@ from pipeline.core.errors import UserError
 from pipeline.estimate import GIB, estimate, max_batch_size
 from pipeline.fit.stage import run_fit
 from conftest import SMALL_REGISTRY as REGISTRY
+from conftest import offline_env
 
 QWEN_1_5B_PARAMETERS = 1_543_714_304
 
@@ -210,6 +211,27 @@ def test_formulas_and_coefficients_import_nothing_heavy():
     code = ("import sys, pipeline.formulas.components, pipeline.formulas.coefficients; "
             "print(sorted({'torch', 'transformers', 'numpy', 'pandas', 'sklearn'} & set(sys.modules)))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+UNUSED_BY_AN_EXACT_ANSWER = {"sklearn", "scipy", "pandas", "pyarrow", "matplotlib", "trl", "peft", "datasets"}
+
+
+def test_the_exact_command_imports_only_what_its_question_needs():
+    """A cold exact answer for a registry model (issue 26) imports torch and transformers' modelling code, and none
+    of the libraries it does not use: scikit-learn and scipy (which transformers imports wherever they are
+    installed), the tables', the figures' and the trainers' libraries."""
+    import subprocess
+    import sys
+
+    argv = ["python -m pipeline", "estimate", "--model", "Qwen/Qwen2.5-0.5B", "--batch", "1", "--seq", "64",
+            "--precision", "bf16", "--method", "exact", "--json"]
+    looked_for = sorted(UNUSED_BY_AN_EXACT_ANSWER | {"torch", "transformers"})
+    code = (f"import runpy, sys\nsys.argv = {argv!r}\ntry:\n    runpy.run_module('pipeline', run_name='__main__', "
+            "alter_sys=True)\nexcept SystemExit:\n    pass\ntops = {m.split('.')[0] for m in sys.modules}\n"
+            f"print(sorted(tops & set({looked_for!r})), file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=offline_env(), timeout=300)
+    assert json.loads(done.stdout)["method"] == "exact"
+    assert done.stderr.strip().splitlines()[-1] == "['torch', 'transformers']"
 
 
 def test_config_shape_check_is_the_registry_one(coefficients, tmp_path, capsys):

@@ -33,6 +33,9 @@ FORMULA_QUESTIONS = [
     {"model": SMALL, "seq": 2048, "precision": "bf16", "gpu_memory_gib": 23.5, "max_batch_size": True},
     {"model": SMALL, "batch": 2, "precision": "fp32", "gpu": "T4", "max_seq_len": True},
     {"config": TINY_CONFIG, "batch": 2, "seq": 128, "precision": "bf16", "gpu": "T4"},
+    # the page's words for an SFTTrainer user on bf16 weights (TRL's bf16=True): the command's --weights-dtype
+    {"model": SMALL, "batch": 4, "seq": 1024, "weights_dtype": "bf16", "client": "sft", "optim": "adamw_torch_fused",
+     "checkpointing": True, "lora_r": 16, "quantization": "nf4", "gpu": "L4"},
 ]
 
 EXACT_QUESTIONS = [
@@ -178,6 +181,36 @@ def test_accuracy_and_info(server):
     assert 0 <= accuracy["exact"]["median"] < accuracy["exact"]["worst"] < 1
     status, info, _ = request(f"{server}/api/info")
     assert status == 200 and "bf16" in info["precisions"] and "refuses" in info["limits"]
+    assert info["precision_modes"]["bf16-autocast"] == {"weights": "bf16", "autocast": "bf16"}
+    assert info["precision_modes"]["amp-bf16"] == {"weights": "fp32", "autocast": "bf16"}
+
+
+def test_an_sft_users_words_ask_bf16_autocast(server):
+    """bf16 weights under SFTTrainer's default bf16=True: the answer is bf16-autocast's, as the command's."""
+    question = {**FORMULA_QUESTIONS[-1], "method": "formula"}
+    answer = answer_of(server, question)
+    assert answer["precision"] == "bf16-autocast" and answer["client"] == "sft"
+    assert answer == cli_json(question)
+    assert answer != answer_of(server, {**{k: v for k, v in question.items() if k != "weights_dtype"},
+                                        "precision": "bf16"})
+
+
+def test_the_accuracy_of_a_setting(server):
+    """GET /api/setting-accuracy answers the catalogue's lookup for the answer's words; bad words are a 400."""
+    from pipeline.serve.catalogue import setting_accuracy
+
+    status, found, _ = request(f"{server}/api/setting-accuracy?client=sft&precision=bf16-autocast&lora_r=16"
+                               "&quantization=nf4&liger_kernel=false&num_gpus=1")
+    assert status == 200
+    assert found == json.loads(json.dumps(setting_accuracy(
+        {"client": "sft", "precision": "bf16-autocast", "lora_r": 16, "quantization": "nf4"})))
+    assert found["methods"]["exact"]["split"] == "held-out" and found["methods"]["exact"]["points"] == 4
+    status, found, _ = request(f"{server}/api/setting-accuracy?precision=bf16&num_gpus=8")
+    assert status == 200 and found["methods"] == {} and "several GPUs" in found["missing"]
+    for query, named in (("client=banana&precision=bf16", "client"), ("precision=bf16&lora_r=x", "lora_r"),
+                         ("precision=bf16&seq=4", "seq")):
+        status, body, _ = request(f"{server}/api/setting-accuracy?{query}")
+        assert status == 400 and list(body) == ["error"] and named in body["error"]
 
 
 def test_concurrent_questions_are_not_mixed(server):

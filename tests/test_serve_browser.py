@@ -31,13 +31,17 @@ GIB = 2**30
 QLORA = {"model": "meta-llama/Llama-3.1-8B", "batch": 4, "seq": 4096, "precision": "bf16", "lora_r": 16,
          "quantization": "nf4", "gpu": "RTX 4090"}
 PASTED = {"config": TINY_CONFIG, "batch": 2, "seq": 128, "precision": "bf16", "gpu": "T4"}
+# An SFTTrainer user's question in the command's words: bf16 weights, TRL's bf16=True, QLoRA
+SFT_QLORA = {"model": "Qwen/Qwen2.5-0.5B", "batch": 4, "seq": 1024, "weights_dtype": "bf16", "client": "sft",
+             "optim": "adamw_torch_fused", "checkpointing": True, "lora_r": 16, "quantization": "nf4",
+             "gpu": "RTX 4090"}
 
 pytestmark = pytest.mark.slow
 
 
 def _missing() -> str | None:
     if not Path(CHROMIUM).exists():
-        return f"no Chromium at {CHROMIUM} (apt-get install chromium chromium-driver; or set AVP_CHROMIUM)"
+        return f"no Chromium at {CHROMIUM} (apt-get install chromium; or set AVP_CHROMIUM)"
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
@@ -83,9 +87,10 @@ def page(server):
 
 def cli_text(question: dict, method: str) -> str:
     """The page's "copy as CLI command" for the question (the flags in the page's order)."""
-    flags = [("batch", "--batch"), ("seq", "--seq"), ("precision", "--precision"), ("client", "--client"),
-             ("optim", "--optim"), ("checkpointing", "--checkpointing"), ("lora_r", "--lora-r"),
-             ("quantization", "--quantization"), ("gpu", "--gpu"), ("liger_kernel", "--liger-kernel")]
+    flags = [("batch", "--batch"), ("seq", "--seq"), ("precision", "--precision"), ("weights_dtype", "--weights-dtype"),
+             ("client", "--client"), ("optim", "--optim"), ("checkpointing", "--checkpointing"), ("lora_r", "--lora-r"),
+             ("quantization", "--quantization"), ("num_gpus", "--num-gpus"), ("sharding", "--sharding"),
+             ("gpu", "--gpu"), ("liger_kernel", "--liger-kernel")]
     source = f"--model {question['model']}" if "model" in question else "--config config.json"
     parts = ["python -m pipeline estimate", source]
     for key, flag in flags:
@@ -226,8 +231,9 @@ def test_a_pasted_config_and_the_largest_batch(page, server):
 
 
 def test_sfttrainer_with_liger_is_asked_as_the_command_asks_it(page, server):
-    """Client sft on the page: TRL's default checkpointing ticked by choosing it, Liger's box, bf16-autocast."""
-    question = {"model": "Qwen/Qwen2.5-0.5B", "batch": 4, "seq": 1024, "precision": "bf16-autocast",
+    """Client sft on the page: TRL's default checkpointing ticked by choosing it, Liger's box; bf16-autocast
+    chosen on the loop stays bf16 weights under bf16=True, the command's --weights-dtype bf16."""
+    question = {"model": "Qwen/Qwen2.5-0.5B", "batch": 4, "seq": 1024, "weights_dtype": "bf16",
                 "client": "sft", "optim": "adamw_torch_fused", "checkpointing": True, "gpu": "L4",
                 "liger_kernel": True}
     page.goto(server)
@@ -237,9 +243,10 @@ def test_sfttrainer_with_liger_is_asked_as_the_command_asks_it(page, server):
     page.fill("#batch", str(question["batch"]))
     page.fill("#seq", str(question["seq"]))
     page.select_option("#adapters", "none")
-    page.select_option("#precision", question["precision"])
+    page.select_option("#precision", "bf16-autocast")
     page.select_option("#client", "sft")
     assert page.is_checked("#checkpointing")  # SFTTrainer's default
+    assert page.input_value("#weights_dtype") == "bf16" and page.input_value("#autocast") == "bf16"
     page.check("#liger_kernel")
     page.select_option("#gpu", question["gpu"])
     s = wait_for_answer(page, question, "exact", 120)
@@ -247,7 +254,78 @@ def test_sfttrainer_with_liger_is_asked_as_the_command_asks_it(page, server):
     screenshot(page, "07-sft-liger-exact.png")
     expected = cli_json({**question, "method": "exact"})
     assert expected["client"] == "sft" and expected["liger_kernel"] is True
+    assert expected["precision"] == "bf16-autocast"
     check_numbers(s, expected, "the L4")
+    assert page.errors == []
+
+
+ACCURACY_SHOWN = """() => {
+    const line = document.getElementById('setting-accuracy');
+    return line ? {text: line.textContent, split: line.dataset.split, points: line.dataset.points} : null;
+}"""
+
+
+def accuracy_words(found: dict, method: str) -> str:
+    """The accuracy line the page shows for an answer of `method` on the setting the server found."""
+    m = found["methods"][method]
+    return (f"measured |error| of the peak on this setting ({found['label']}): median {100 * m['median']:.1f}%, "
+            f"90th percentile {100 * m['p90']:.1f}%, worst {100 * m['worst']:.1f}% over {m['points']:,} {m['split']} "
+            f"GPU peaks ({', '.join(d.removeprefix('NVIDIA ') for d in m['devices'])}); fit verdict right for "
+            f"{100 * m['fit_accuracy']:.1f}% of {m['fit_points']} ({found['source']})")
+
+
+def test_an_sft_user_with_qlora_is_asked_the_commands_question_and_told_its_settings_accuracy(page, server):
+    """The issue's user: the page's defaults (precision bf16), then client sft and QLoRA. The page asks what
+    `estimate --client sft --weights-dtype bf16` asks (bf16-autocast, not bf16), and the line under the answer
+    quotes the held-out SFTTrainer + QLoRA points, not the standard loop's figure."""
+    page.goto(server)
+    wait_for_models(page)
+    page.check("input[name=source][value=model]")
+    page.fill("#model", "Qwen2.5-0.5B")
+    page.fill("#batch", str(SFT_QLORA["batch"]))
+    page.fill("#seq", str(SFT_QLORA["seq"]))
+    assert page.input_value("#precision") == "bf16"
+    page.select_option("#client", "sft")
+    assert page.is_checked("#checkpointing") and page.input_value("#autocast") == "bf16"
+    assert page.inner_text("#precision-hint") == "precision bf16-autocast"
+    page.select_option("#adapters", "qlora")
+    page.select_option("#quantization", SFT_QLORA["quantization"])
+    page.fill("#lora_r", str(SFT_QLORA["lora_r"]))
+    page.select_option("#gpu", SFT_QLORA["gpu"])
+    s = wait_for_answer(page, SFT_QLORA, "exact", 180)
+    shown = poll(page, ACCURACY_SHOWN, lambda a: a and a["points"], 30)
+    page.wait_for_timeout(300)
+    screenshot(page, "08-sft-qlora-exact.png")
+    expected = cli_json({**SFT_QLORA, "method": "exact"})  # the command, in the same words
+    assert expected["precision"] == "bf16-autocast" and expected["client"] == "sft"
+    check_numbers(s, expected, "the RTX 4090")
+    assert s["cli"] == cli_text(SFT_QLORA, "exact") and "--precision" not in s["cli"]
+    status, found, _ = request(f"{server}/api/setting-accuracy?client=sft&precision=bf16-autocast&lora_r=16"
+                               "&quantization=nf4")
+    assert status == 200 and found["label"] == "SFTTrainer, QLoRA (nf4), bf16-autocast, one GPU"
+    assert (shown["split"], shown["points"]) == ("held-out", "4")  # results/settings_validation.md: 4 held-out points
+    assert shown["text"] == accuracy_words(found, "exact")
+    assert "2,537" not in page.inner_text("#method")
+    assert page.errors == []
+
+
+def test_several_gpus_say_that_no_measured_accuracy_matches(page, server):
+    page.goto(server)
+    wait_for_models(page)
+    question = {"model": "Qwen/Qwen2.5-0.5B", "batch": 2, "seq": 512, "precision": "bf16", "num_gpus": 4,
+                "sharding": "fsdp", "gpu": "L4"}
+    page.check("input[name=source][value=model]")
+    page.fill("#model", question["model"])
+    page.fill("#batch", str(question["batch"]))
+    page.fill("#seq", str(question["seq"]))
+    page.select_option("#adapters", "none")
+    page.fill("#num_gpus", "4")
+    page.select_option("#sharding", "fsdp")
+    page.select_option("#gpu", question["gpu"])
+    wait_for_answer(page, question, "formula", 30)
+    shown = poll(page, ACCURACY_SHOWN, lambda a: a and "GPUs" in a["text"], 30)
+    assert shown["points"] == "" and "several GPUs are simulated" in shown["text"]
+    assert "4 GPUs" in shown["text"]
     assert page.errors == []
 
 

@@ -100,6 +100,8 @@ def _estimate_command(args) -> int:
     options = dict(vars(args), batch=1 if args.max_batch_size and args.batch is None else args.batch,
                    seq=1 if args.max_seq_len and args.seq is None else args.seq, gpu_memory_gib=args.gpu_memory)
     dev = gpu_of(args.gpu, args.gpu_memory)
+    if args.method != "formula" and args.params is None:  # the model is built: transformers is imported
+        without_unused_libraries_in_transformers()
     estimator, target, run, notes = prepared({k: options[k] for k in ("model", "config", "params", "active_params")},
                                              options, args.method, args.coefficients, dev)
     with one_question():  # the answer at the value found repeats one of the search's simulations
@@ -116,6 +118,21 @@ def _estimate_command(args) -> int:
         result["max_seq_len"] = largest_found
     print(json.dumps(result, indent=2) if args.json else human_summary(result))
     return 0
+
+
+# Libraries transformers imports wherever they are installed, for what an estimate never runs: scikit-learn
+# (assisted generation's confidence threshold) and scipy (object-detection losses): 1.5 s of a cold command on
+# 2 cores.
+UNUSED_BY_ESTIMATES = ("sklearn", "scipy")
+
+
+def without_unused_libraries_in_transformers() -> None:
+    """This command's process tells transformers, before it looks, that UNUSED_BY_ESTIMATES are not installed
+    (a transformers that looks elsewhere only costs the time again)."""
+    import transformers.utils
+
+    for name in UNUSED_BY_ESTIMATES:
+        setattr(transformers.utils, f"is_{name}_available", lambda: False)
 
 
 def adapter_text(adapter: dict) -> str:

@@ -5,7 +5,9 @@
   `python -m pipeline estimate ... --json` prints for the same options. `GET /api/estimate?model=...`
   takes the same fields as a query (not the JSON-object ones): a link to an answer.
 - `GET /api/models`: the registry; `GET /api/gpus`: the GPU catalogue; `GET /api/accuracy`: each
-  method's measured accuracy; `GET /api/info`: the words of the options and the server's limits.
+  method's measured accuracy on the standard step; `GET /api/setting-accuracy?client=sft&precision=...`:
+  each method's measured accuracy on the setting an answer names (its client, precision, lora_r,
+  quantization, liger_kernel, num_gpus); `GET /api/info`: the words of the options and the server's limits.
 
 Bad input is HTTP 400 with `{"error": "<one line>"}`; a body over the limit 413, a simulation past
 the time limit 503, anything unexpected 500, each with one line and no traceback (the traceback goes
@@ -32,6 +34,7 @@ from pipeline.core.text import first_line
 from pipeline.serve.catalogue import accuracy as accuracy_of_methods
 from pipeline.serve.catalogue import gpus as gpu_catalogue
 from pipeline.serve.catalogue import models as registry_models
+from pipeline.serve.catalogue import setting_accuracy
 from pipeline.serve.questions import LIMITS, MAX_BODY_BYTES, answer, check, from_query, needs_torch, parse_body, to_json
 from pipeline.serve.worker import SimulationTimeout, Simulator, WorkerDied, log
 
@@ -91,6 +94,12 @@ def create_app(simulator: Simulator | None = None, timeout_s: float = 120.0, war
     async def accuracy(request: Request) -> Response:
         return JSONResponse(listed("accuracy", accuracy_of_methods))
 
+    async def accuracy_of_setting(request: Request) -> Response:
+        try:
+            return JSONResponse(await run_in_threadpool(setting_accuracy, from_query(request.query_params)))
+        except UserError as exc:
+            return error(400, str(exc))
+
     async def info(request: Request) -> Response:
         return JSONResponse(listed("info", lambda: server_info(simulator.timeout_s)))
 
@@ -103,6 +112,8 @@ def create_app(simulator: Simulator | None = None, timeout_s: float = 120.0, war
             listed(name, make)
         with contextlib.suppress(UserError):
             answer(check(WARM_FORMULA))
+        with contextlib.suppress(UserError):
+            setting_accuracy({"precision": WARM_FORMULA["precision"]})  # reads the settings' validation table
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -115,6 +126,7 @@ def create_app(simulator: Simulator | None = None, timeout_s: float = 120.0, war
 
     routes = [Route("/", page), Route("/api/estimate", estimate_endpoint, methods=["GET", "POST"]),
               Route("/api/models", models), Route("/api/gpus", gpus), Route("/api/accuracy", accuracy),
+              Route("/api/setting-accuracy", accuracy_of_setting),
               Route("/api/info", info), Mount("/static", StaticFiles(directory=STATIC), name="static")]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={Exception: internal})
 
@@ -135,9 +147,14 @@ async def read_body(request: Request) -> bytes:
 def server_info(timeout_s: float) -> dict:
     """The options' words (pipeline.core.vocabulary, the adapters' targets) and the server's limits."""
     from pipeline.training.adapters import ALL_LINEAR
-    from pipeline.core.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, QUANTIZATIONS, SHARDINGS
+    from pipeline.core.vocabulary import (CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISION_MODES, PRECISIONS,
+                                          QUANTIZATIONS, SHARDINGS, WEIGHTS_DTYPES)
 
-    return {"precisions": list(PRECISIONS), "clients": list(CLIENTS), "optimizers": list(OPTIMIZERS),
+    # a precision by what it is made of: the page asks the trainer clients for weights and autocast, as
+    # TrainingArguments and a model's dtype do (vocabulary.precision_of)
+    modes = {name: {"weights": mode.weights, "autocast": mode.autocast} for name, mode in PRECISION_MODES.items()}
+    return {"precisions": list(PRECISIONS), "precision_modes": modes, "weights_dtypes": list(WEIGHTS_DTYPES),
+            "clients": list(CLIENTS), "optimizers": list(OPTIMIZERS),
             "optims": list(OPTIMS), "shardings": list(SHARDINGS), "quantizations": list(QUANTIZATIONS),
             "methods": list(METHODS), "all_linear": ALL_LINEAR, "limits": LIMITS + f"; a simulation stops "
             f"after {timeout_s:g} s", "timeout_s": timeout_s}

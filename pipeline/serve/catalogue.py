@@ -1,5 +1,6 @@
-"""What the page offers and labels: the registry's models, the GPU catalogue, and each method's
-measured accuracy (read once when the server starts; all pure data, no torch).
+"""What the page offers and labels: the registry's models, the GPU catalogue, each method's measured
+accuracy on the standard step, and on the setting a question asks (client, adapters, precision, Liger,
+GPUs: `setting_accuracy`). Read once when the server starts or first asked; all pure data, no torch.
 
 Imports that may move with the package's layout: the registry (`pipeline.inputs.registry.load_registry`,
 `pipeline.core.paths.DEFAULT_REGISTRY`), the GPU catalogue (`pipeline.formulas.gpus.DEVICES`), the stage
@@ -9,8 +10,11 @@ outputs' paths (`pipeline.core.paths.MODELS`, `CONFIGS`: relative to the working
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+
+from pipeline.core.errors import UserError
 
 VALIDATION_SUMMARY = "results/validation_summary.json"
 # The accuracy shown beside each method: the summary's row for it (the formula's on families left
@@ -89,3 +93,109 @@ def accuracy() -> dict:
                              "worst": r.get("worst_abs_relative_error"), "fit_accuracy": r.get("fit_accuracy"),
                              "source": f"{VALIDATION_SUMMARY} ({row})"}
     return found
+
+
+# The words of a setting, as `estimate` names them (the answer's own fields), and their defaults.
+SETTING_WORDS = {"client": "loop", "precision": None, "lora_r": None, "quantization": None, "liger_kernel": False,
+                 "num_gpus": 1}
+CLIENT_NAMES = {"loop": "the standard loop", "trainer": "Trainer", "sft": "SFTTrainer", "dpo": "DPOTrainer"}
+SPLIT_ORDER = ("held-out", "tuned")  # rows no estimator was tuned on first
+SEVERAL_GPUS = ("several GPUs are simulated (exact against a real multi-process run on the CPU) but not yet "
+                "measured on GPUs: no measured accuracy for this setting")
+
+
+def setting_of(words: dict) -> dict:
+    """The setting a question asks, from estimate's words (one-line UserError for a bad one)."""
+    from pipeline.core.vocabulary import CLIENTS, PRECISIONS, QUANTIZATIONS, check_choice
+
+    unknown = sorted(set(words) - set(SETTING_WORDS))
+    if unknown:
+        raise UserError(f"unknown field {unknown[0]!r}; a setting is named by {', '.join(SETTING_WORDS)}")
+    setting = {**SETTING_WORDS, **{k: v for k, v in words.items() if v is not None}}
+    if setting["precision"] is None:
+        raise UserError("precision is required (the answer's precision, bf16-autocast included)")
+    check_choice("client", setting["client"], CLIENTS)
+    check_choice("precision", setting["precision"], PRECISIONS)
+    for name in ("lora_r", "num_gpus"):
+        value = setting[name]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise UserError(f"{name} must be a positive integer, not {value!r}")
+    if setting["quantization"] is not None:
+        check_choice("quantization", setting["quantization"], QUANTIZATIONS)
+    if not isinstance(setting["liger_kernel"], bool):
+        raise UserError(f"liger_kernel must be true or false, not {setting['liger_kernel']!r}")
+    adapters = "qlora" if setting["quantization"] else "lora" if setting["lora_r"] else "full"
+    return {"client": setting["client"], "adapters": adapters, "quantization": setting["quantization"],
+            "precision": setting["precision"], "liger_kernel": setting["liger_kernel"], "num_gpus": setting["num_gpus"]}
+
+
+def setting_label(setting: dict) -> str:
+    """The setting in words: "SFTTrainer, QLoRA (nf4), bf16-autocast, one GPU"."""
+    adapters = {"full": "full fine-tuning", "lora": "LoRA", "qlora": f"QLoRA ({setting['quantization']})"}
+    parts = [CLIENT_NAMES[setting["client"]], adapters[setting["adapters"]], setting["precision"]]
+    if setting["liger_kernel"]:
+        parts.append("Liger")
+    parts.append("one GPU" if setting["num_gpus"] == 1 else f"{setting['num_gpus']} GPUs")
+    return ", ".join(parts)
+
+
+def setting_accuracy(words: dict) -> dict:
+    """Per method, the measured |error| of the peak (median, 90th percentile, worst) and the fit verdict's
+    accuracy on the measured points of the setting the words name (`setting_of`), from the settings'
+    validation (results/settings_validation.parquet): its held-out points where the method has any, else
+    its tuned ones (`split` says which). `missing` says why there is none (several GPUs; a setting never
+    measured)."""
+    from pipeline.core.paths import REPO_ROOT, SETTINGS_VALIDATION
+
+    setting = setting_of(words)
+    found = {"setting": setting, "label": setting_label(setting),
+             "source": str(SETTINGS_VALIDATION.relative_to(REPO_ROOT)), "methods": {}, "missing": None}
+    if setting["num_gpus"] > 1:
+        return {**found, "missing": SEVERAL_GPUS}
+    rows = _matching_rows(setting)
+    for method in _methods():
+        summary = _method_accuracy(rows[rows["estimator"] == method])
+        if summary:
+            found["methods"][method] = summary
+    if not found["methods"]:
+        found["missing"] = f"no point of this setting ({found['label']}) is measured on a GPU: its accuracy is unknown"
+    return found
+
+
+def _methods() -> tuple:
+    from pipeline.core.vocabulary import METHODS
+
+    return METHODS
+
+
+@functools.lru_cache(maxsize=1)
+def _settings_validation():
+    from pipeline.core.io import read_table
+    from pipeline.core.paths import SETTINGS_VALIDATION
+
+    return read_table(SETTINGS_VALIDATION, "settings validation")
+
+
+def _matching_rows(setting: dict):
+    table = _settings_validation()
+    adapters = table["lora_r"].isna().map({True: "full", False: "lora"}).where(table["quantization"].isna(), "qlora")
+    same = ((table["client"] == setting["client"]) & (table["precision"] == setting["precision"])
+            & (adapters == setting["adapters"]) & (table["liger_kernel"] == setting["liger_kernel"]))
+    if setting["quantization"]:
+        same &= table["quantization"] == setting["quantization"]
+    return table[same]
+
+
+def _method_accuracy(rows) -> dict | None:
+    """One method's summary on its held-out rows, else its tuned ones (None: no ok point in either)."""
+    from pipeline.validate.peaks import error_summary
+
+    for split in SPLIT_ORDER:
+        group = rows[rows["split"] == split]
+        summary = error_summary(group)
+        if summary["points"]:
+            return {"split": split, "points": summary["points"], "median": summary["median_abs_relative_error"],
+                    "p90": summary["p90_abs_relative_error"], "worst": summary["worst_abs_relative_error"],
+                    "fit_accuracy": summary["reserved_fit_accuracy"], "fit_points": summary["reserved_fit_points"],
+                    "devices": sorted(group["device"].unique().tolist())}
+    return None

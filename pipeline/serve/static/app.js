@@ -11,7 +11,7 @@ const SVG = "http://www.w3.org/2000/svg";
 const $ = (id) => document.getElementById(id);
 
 const state = {
-  models: [], byId: new Map(), gpus: [], accuracy: {}, info: {},
+  models: [], byId: new Map(), gpus: [], accuracy: {}, info: {}, client: "loop", settingAccuracy: new Map(),
   gen: 0, q: null, formula: null, formulaError: null, exact: null, exactError: null,
   searches: {}, curve: [], exactQueue: new Map(), exactBusy: false, timers: {},
 };
@@ -26,7 +26,8 @@ const EXAMPLES = {
 const DEFAULT = {model: "meta-llama/Llama-3.2-1B", batch: 4, seq: 2048, precision: "bf16", gpu: "H100 80GB"};
 
 // The command line's flag of each field, in the order the copied command lists them.
-const FLAGS = [["batch", "--batch"], ["seq", "--seq"], ["precision", "--precision"], ["client", "--client"],
+const FLAGS = [["batch", "--batch"], ["seq", "--seq"], ["precision", "--precision"],
+  ["weights_dtype", "--weights-dtype"], ["client", "--client"],
   ["optimizer", "--optimizer"], ["optim", "--optim"], ["gradient_accumulation", "--gradient-accumulation"],
   ["checkpointing", "--checkpointing"], ["lora_r", "--lora-r"], ["lora_alpha", "--lora-alpha"],
   ["lora_targets", "--lora-targets"], ["quantization", "--quantization"], ["num_gpus", "--num-gpus"],
@@ -135,8 +136,8 @@ function question() {
     const v = numberOrText(name);
     if (v !== undefined) q[name] = v;
   }
-  q.precision = $("precision").value;
   const client = $("client").value;
+  Object.assign(q, precisionWords(client));
   if (client !== "loop") q.client = client;
   if (TRAINER_CLIENTS.includes(client)) {
     q.optim = $("optim").value;
@@ -171,6 +172,55 @@ function question() {
   return q;
 }
 
+// ---------- precision in the Trainer's words ----------
+// A trainer client is asked what its user knows: the dtype the weights are loaded in and TrainingArguments'
+// bf16 / fp16; the precision they make is the server's table (info.precision_modes: vocabulary.precision_of).
+function precisionOf(weights, autocast) {
+  const found = Object.entries(state.info.precision_modes)
+    .find(([, mode]) => mode.weights === weights && (mode.autocast || "") === autocast);
+  return found ? found[0] : null;
+}
+
+function trainerWords(precision) {
+  const mode = state.info.precision_modes[precision] || {weights: "bf16", autocast: null};
+  return {weights: mode.weights, autocast: mode.autocast || ""};
+}
+
+function setTrainerWords(words) {
+  $("weights_dtype").value = words.weights;
+  $("autocast").value = words.autocast;
+  const precision = precisionOf(words.weights, words.autocast);
+  if (precision) $("precision").value = precision;
+}
+
+// The question's precision fields: the loop's precision; a trainer client's from the weights and its mixed
+// precision, and for TRL's trainers on their default bf16=True the command's own words (--weights-dtype bf16
+// makes bf16-autocast, as `estimate --client sft` does).
+function precisionWords(client) {
+  if (!TRAINER_CLIENTS.includes(client)) return {precision: $("precision").value};
+  const weights = $("weights_dtype").value, autocast = $("autocast").value;
+  const precision = precisionOf(weights, autocast);
+  if (!precision) {
+    throw new FieldError("autocast",
+      `${autocast} autocast on ${weights} weights is not a precision this project models`);
+  }
+  return TRL_CLIENTS.includes(client) && autocast === "bf16" ? {weights_dtype: weights} : {precision};
+}
+
+// Choosing a client keeps the precision the user set, in the new client's words; TRL's trainers tick bf16=True
+// (their default) as they tick checkpointing.
+function clientChanged() {
+  const client = $("client").value;
+  const words = TRAINER_CLIENTS.includes(state.client)
+    ? {weights: $("weights_dtype").value, autocast: $("autocast").value} : trainerWords($("precision").value);
+  if (TRL_CLIENTS.includes(client)) {
+    $("checkpointing").checked = true;
+    if (!words.autocast) words.autocast = "bf16";
+  }
+  setTrainerWords(words);
+  state.client = client;
+}
+
 // A registry id, or the one registry model whose name (after the owner) is the text, or an owner/name id.
 function resolveModel(text) {
   if (state.byId.has(text)) return text;
@@ -187,8 +237,12 @@ function setForm(q) {
   if (q.config) $("config").value = JSON.stringify(q.config, null, 2);
   $("batch").value = q.batch ?? "";
   $("seq").value = q.seq ?? "";
+  const client = q.client || "loop";
+  $("client").value = client;
+  state.client = client;
   $("precision").value = q.precision || "bf16";
-  $("client").value = q.client || "loop";
+  setTrainerWords(q.precision ? trainerWords(q.precision)
+    : {weights: q.weights_dtype || "bf16", autocast: TRL_CLIENTS.includes(client) ? "bf16" : ""});
   $("optimizer").value = q.optimizer || "adamw";
   $("optim").value = q.optim || "adamw_torch_fused";
   $("gradient_accumulation").value = q.gradient_accumulation ?? 1;
@@ -216,6 +270,10 @@ function showBoxes() {
   $("model-box").hidden = source !== "model";
   $("config-box").hidden = source !== "config";
   const trainer = TRAINER_CLIENTS.includes($("client").value);
+  $("precision-box").hidden = trainer;
+  $("trainer-precision-box").hidden = !trainer;
+  const made = precisionOf($("weights_dtype").value, $("autocast").value);
+  $("precision-hint").textContent = made ? `precision ${made}` : "";
   $("optimizer-box").hidden = trainer;
   $("optim-box").hidden = !trainer;
   $("accumulation-box").hidden = !trainer;
@@ -273,6 +331,7 @@ function fieldOf(message) {
 }
 
 function showError(field, message) {
+  if (field === "precision" && TRAINER_CLIENTS.includes($("client").value)) field = "autocast";
   const box = $(`error-${field}`) || $(`error-${document.querySelector("input[name=source]:checked").value}`);
   box.textContent = message;
   const input = $(field);
@@ -438,7 +497,8 @@ function render() {
   }
   const method = $("method");
   method.dataset.method = a.method;
-  method.replaceChildren(methodLabel(a.method, a === state.exact ? state.exactSeconds : state.formulaSeconds));
+  method.replaceChildren(methodLabel(a.method, a === state.exact ? state.exactSeconds : state.formulaSeconds),
+    document.createElement("br"), accuracyLine(a));
   if (state.exact && state.formula) {
     method.append(document.createElement("br"),
       `formula said ${gib(state.formula.peak_bytes)} allocated, ${gib(state.formula.peak_reserved_bytes)} reserved`);
@@ -459,16 +519,60 @@ function render() {
 
 function methodLabel(method, seconds) {
   const span = document.createElement("span");
-  const acc = state.accuracy[method];
   const what = method === "exact" ? "the step simulated on meta tensors" : method === "formula"
     ? "closed form from the config" : method;
   let text = `method: ${method} (${what})`;
-  if (acc) {
-    text += ` · measured |error| of the peak: median ${pct(acc.median)}, 90th percentile ${pct(acc.p90)}, `
-      + `worst ${pct(acc.worst)} over ${acc.points.toLocaleString("en")} GPU peaks (${acc.basis})`;
-  }
   if (seconds != null) text += ` · answered in ${seconds.toFixed(2)} s`;
   span.textContent = text;
+  return span;
+}
+
+// ---------- the measured accuracy of the setting asked ----------
+// The setting an answer names, in estimate's words (the answer's own fields: what was estimated).
+function settingQuery(a) {
+  const params = new URLSearchParams({client: a.client || "loop", precision: a.precision});
+  if (a.adapter) {
+    params.set("lora_r", String(a.adapter.lora_r));
+    if (a.adapter.quantization) params.set("quantization", a.adapter.quantization);
+  }
+  if (a.liger_kernel) params.set("liger_kernel", "true");
+  if (a.num_gpus > 1) params.set("num_gpus", String(a.num_gpus));
+  return params.toString();
+}
+
+// The server's answer for the setting (null while it is asked: the answer is drawn again when it comes).
+function settingAccuracy(a) {
+  const key = settingQuery(a);
+  if (!state.settingAccuracy.has(key)) {
+    state.settingAccuracy.set(key, null);
+    getJSON(`/api/setting-accuracy?${key}`)
+      .then((found) => {
+        state.settingAccuracy.set(key, found.error ? {methods: {}, label: "", missing: found.error} : found);
+        render();
+      })
+      .catch(() => state.settingAccuracy.delete(key));
+  }
+  return state.settingAccuracy.get(key);
+}
+
+function accuracyLine(a) {
+  const span = document.createElement("span");
+  span.id = "setting-accuracy";
+  const found = settingAccuracy(a);
+  const acc = found && found.methods[a.method];
+  span.dataset.split = acc ? acc.split : "";
+  span.dataset.points = acc ? String(acc.points) : "";
+  if (!found) {
+    span.textContent = "measured accuracy of this setting: asking…";
+  } else if (!acc) {
+    span.textContent = `measured accuracy (${found.label}): ${found.missing || `none for the ${a.method} method`}`;
+  } else {
+    const gpus = acc.devices.map((d) => d.replace(/^NVIDIA /, "")).join(", ");
+    span.textContent = `measured |error| of the peak on this setting (${found.label}): median ${pct(acc.median)}, `
+      + `90th percentile ${pct(acc.p90)}, worst ${pct(acc.worst)} over ${acc.points.toLocaleString("en")} `
+      + `${acc.split} GPU peaks (${gpus}); fit verdict right for ${pct(acc.fit_accuracy)} of ${acc.fit_points} `
+      + `(${found.source})`;
+  }
   return span;
 }
 
@@ -722,6 +826,7 @@ async function start() {
   Object.assign(state, {info, gpus, models, accuracy});
   state.byId = new Map(models.map((m) => [m.id, m]));
   fillSelect("precision", info.precisions);
+  fillSelect("weights_dtype", info.weights_dtypes);
   fillSelect("client", info.clients, {loop: "loop (standard step)", trainer: "trainer (HF Trainer)",
     sft: "sft (TRL SFTTrainer)", dpo: "dpo (TRL DPOTrainer: batch = pairs)"});
   fillSelect("optimizer", info.optimizers);
@@ -739,7 +844,9 @@ async function start() {
   }));
   $("limits").textContent = `Limits: ${info.limits}. Nothing is kept between requests; no remote code is run.`;
   const acc = Object.entries(accuracy).map(([m, a]) => `${m}: median ${pct(a.median)}, worst ${pct(a.worst)}`);
-  $("accuracy").textContent = acc.length ? `Measured accuracy of the peak (${Object.values(accuracy)[0].source.split(" ")[0]}): ${acc.join("; ")}.` : "";
+  $("accuracy").textContent = acc.length ? `The standard loop's measured accuracy of the peak, over the H200's points `
+    + `(${Object.values(accuracy)[0].source.split(" ")[0]}): ${acc.join("; ")}. The line under an answer quotes `
+    + "its own setting's." : "";
 
   setForm(readHash() || DEFAULT);
   const form = $("question");
@@ -752,8 +859,8 @@ async function start() {
   $("mbs-run").addEventListener("click", () => runSearch("mbs"));
   $("msl-run").addEventListener("click", () => runSearch("msl"));
   $("copy-cli").addEventListener("click", (e) => copy("cli", e.target));
-  // TRL's trainers checkpoint by default: choosing one ticks the box (before the form's own listener asks)
-  $("client").addEventListener("change", () => { if (TRL_CLIENTS.includes($("client").value)) $("checkpointing").checked = true; });
+  // before the form's own listener asks: the client's words for the precision, TRL's defaults ticked
+  $("client").addEventListener("change", clientChanged);
   $("copy-python").addEventListener("click", (e) => copy("python", e.target));
   changed();
 }

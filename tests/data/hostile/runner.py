@@ -9,7 +9,13 @@ the arguments after `python -m pipeline`) or "code": "..." (api: statements that
 `heavy_jobs` heavy cases (those that may use gigabytes before they fail) run at once.
 
 Each case runs in a child of its own session (its process group is killed on timeout), with
-RLIMIT_AS = mem, stdin from /dev/null and stdout / stderr to files. By default the child is forked
+stdin from /dev/null and stdout / stderr to files, and may map `mem` bytes of address space beyond
+what it starts with: RLIMIT_AS = its baseline + mem. A forked child's baseline is its own address space
+right after the fork (VmSize: what this process mapped, torch's libraries included, whatever their
+build); an exec'd child's is the peak of a probe interpreter that imports the `preimport` libraries in
+this environment (VmPeak), measured once before the cases. So the bound is what the case itself maps,
+under a CPU or a CUDA build of torch alike, and a case that runs away still meets it (MemoryError). The
+limit set is written to `rlimit_as` in the case folder and reported as `rlimit_as_bytes`. By default the child is forked
 from this process after importing the heavy third-party libraries once (torch, transformers, peft):
 a `cli` case then runs `runpy.run_module("pipeline", run_name="__main__")`, exactly what
 `python -m pipeline` runs, with the interpreter's exit semantics (SystemExit code; an uncaught
@@ -63,12 +69,51 @@ def api_source(code: str, case_dir: str) -> str:
             f"_ns = {{'np': np, 'json': json, 'math': math, 'case_dir': {case_dir!r}}}\n" + API_EPILOGUE)
 
 
-def child(case: dict, case_dir: Path, fresh: bool) -> None:
+def status_bytes(field: str) -> int:
+    """A size of this process from /proc/self/status (VmSize: mapped now; VmPeak: the most mapped)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+PROBE = """
+import importlib
+for name in {names!r}:
+    try:
+        importlib.import_module(name)
+    except Exception:
+        pass
+for line in open("/proc/self/status"):
+    if line.startswith("VmPeak:"):
+        print(int(line.split()[1]) * 1024)
+"""
+
+
+def fresh_baseline(names: list) -> int:
+    """The peak address space of a fresh interpreter importing `names` here: what an exec'd case maps
+    before its own work."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", PROBE.format(names=list(names))], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=600, check=True)
+    return int(done.stdout.split()[-1])
+
+
+def limit_memory(case: dict, case_dir: Path, baseline: int | None) -> None:
+    """RLIMIT_AS = the baseline (this process's address space when None: a forked child's) + the case's mem."""
+    limit = (status_bytes("VmSize") if baseline is None else baseline) + case["mem"]
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    (case_dir / "rlimit_as").write_text(str(limit))
+
+
+def child(case: dict, case_dir: Path, fresh: bool, baseline: int | None) -> None:
     """In the forked child: limits, folders, descriptors; then run the case and exit (never returns)."""
     code = 1
     try:
         os.setsid()
-        resource.setrlimit(resource.RLIMIT_AS, (case["mem"], case["mem"]))
+        limit_memory(case, case_dir, baseline if fresh else None)
         os.chdir(case["cwd"])
         env = {**os.environ, **case.get("env", {})}
         for key, value in case.get("env", {}).items():
@@ -170,6 +215,9 @@ def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out_path = Path(sys.argv[2])
     all_fresh = bool(spec.get("fresh")) or os.environ.get("HOSTILE_FRESH") == "1"
+    baseline = None
+    if all_fresh or any(case.get("fresh") for case in spec["cases"]):
+        baseline = fresh_baseline(spec.get("preimport", []))
     if not all_fresh:
         import importlib
 
@@ -203,7 +251,7 @@ def main() -> int:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                child(case, case_dir, fresh)
+                child(case, case_dir, fresh, baseline)
             running[pid] = (case, time.monotonic(), case_dir)
         pid, status, usage = os.wait4(-1, os.WNOHANG)
         now = time.monotonic()
@@ -230,6 +278,8 @@ def main() -> int:
                 data = data[:100_000] + b" [...] " + data[-100_000:]  # a 1 MB line stays one (long) line
             outcome[name] = data.decode("utf-8", "replace")
             outcome[name + "_bytes"] = len(data)
+        limit = case_dir / "rlimit_as"
+        outcome["rlimit_as_bytes"] = int(limit.read_text()) if limit.exists() else None
         api = case_dir / "api.json"
         if case["kind"] == "api":
             outcome["api"] = json.loads(api.read_text()) if api.exists() else None

@@ -1,0 +1,113 @@
+"""The accuracy the page quotes under an answer is the measured accuracy of the setting asked (issue 26):
+`pipeline.serve.catalogue.setting_accuracy` looks up the client, adapters, precision, Liger and GPUs in the
+settings' validation (results/settings_validation.parquet), held-out points first, and says plainly when no
+measured point matches. Its figures are checked against the committed summary (results/settings_validation.md)
+where one of its rows is exactly the setting."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO
+from pipeline.core.errors import UserError
+from pipeline.serve.catalogue import setting_accuracy
+
+SFT_QLORA = {"client": "sft", "precision": "bf16-autocast", "lora_r": 16, "quantization": "nf4"}
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def summary_rows() -> dict:
+    """results/settings_validation.md as {(split, setting, client, estimator, device): row}."""
+    rows = {}
+    for line in (REPO / "results" / "settings_validation.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 12 and cells[0] in ("tuned", "held-out"):
+            split, setting, client, estimator, device, points, median, p90, worst, _, _, fit = cells
+            rows[split, setting, client, estimator, device] = {"points": int(points), "median": median, "p90": p90,
+                                                               "worst": worst, "fit": fit}
+    return rows
+
+
+def as_summary(found: dict) -> dict:
+    """A method's figures as the summary prints them."""
+    def pct(x):
+        return f"{100 * x:.1f}%"
+    return {"points": found["points"], "median": pct(found["median"]), "p90": pct(found["p90"]),
+            "worst": pct(found["worst"]), "fit": f"{pct(found['fit_accuracy'])} of {found['fit_points']}"}
+
+
+@pytest.mark.parametrize("words, setting", [
+    (SFT_QLORA, "qlora, bf16-autocast"),
+    ({"client": "sft", "precision": "bf16-autocast", "liger_kernel": True}, "full+liger, bf16-autocast"),
+    ({"client": "dpo", "precision": "bf16-autocast"}, "full, bf16-autocast"),
+    ({"client": "trainer", "precision": "bf16-autocast", "lora_r": 8}, "lora, bf16-autocast"),
+], ids=["sft-qlora", "sft-liger", "dpo", "trainer-lora"])
+def test_a_settings_figures_are_its_row_of_the_committed_summary(words, setting):
+    found = setting_accuracy(words)
+    summary = summary_rows()
+    assert found["methods"] and found["missing"] is None
+    for method, figures in found["methods"].items():
+        assert figures["devices"] == [H100]
+        assert as_summary(figures) == summary[figures["split"], setting, words["client"], method, H100]
+
+
+def test_sft_with_qlora_quotes_its_held_out_points_not_the_standard_loops():
+    found = setting_accuracy(SFT_QLORA)
+    assert found["label"] == "SFTTrainer, QLoRA (nf4), bf16-autocast, one GPU"
+    exact, formula = found["methods"]["exact"], found["methods"]["formula"]
+    assert (exact["split"], exact["points"], exact["fit_points"], exact["fit_accuracy"]) == ("held-out", 4, 4, 1.0)
+    assert exact["worst"] < 0.001  # README: held-out SFTTrainer QLoRA, exact, worst 0.0%
+    assert (formula["split"], formula["points"]) == ("held-out", 4)
+    assert 0.012 < formula["median"] < 0.014 and 0.015 < formula["worst"] < 0.017  # README: 1.3%, worst 1.6%
+    assert found["source"] == "results/settings_validation.parquet"
+
+
+def test_held_out_points_first_else_the_tuned_ones():
+    """The Trainer in bf16 has no held-out point: its tuned ones, on both GPUs; the loop in bf16 has held-out ones."""
+    trainer = setting_accuracy({"client": "trainer", "precision": "bf16"})
+    assert {m["split"] for m in trainer["methods"].values()} == {"tuned"}
+    assert trainer["methods"]["exact"]["devices"] == [H100, "NVIDIA H200"]
+    assert trainer["methods"]["exact"]["points"] == 65
+    loop = setting_accuracy({"precision": "bf16"})
+    assert {m["split"] for m in loop["methods"].values()} == {"held-out"}
+    assert loop["label"] == "the standard loop, full fine-tuning, bf16, one GPU"
+
+
+def test_the_precision_is_part_of_the_setting():
+    """SFTTrainer on bf16 weights under bf16=True (bf16-autocast) is not SFTTrainer in amp-bf16."""
+    autocast = setting_accuracy({"client": "sft", "precision": "bf16-autocast"})["methods"]["exact"]
+    amp = setting_accuracy({"client": "sft", "precision": "amp-bf16"})["methods"]["exact"]
+    assert (autocast["split"], autocast["points"]) == ("held-out", 15)  # README: held-out SFTTrainer full, 15
+    assert (amp["split"], amp["points"]) == ("held-out", 2)
+
+
+def test_dpo_has_the_exact_methods_figures_only():
+    found = setting_accuracy({"client": "dpo", "precision": "bf16-autocast", "lora_r": 16})
+    assert list(found["methods"]) == ["exact"] and found["methods"]["exact"]["points"] == 6
+
+
+@pytest.mark.parametrize("words, says", [
+    ({"precision": "bf16", "num_gpus": 4}, "several GPUs are simulated"),
+    ({"client": "sft", "precision": "bf16", "lora_r": 16, "quantization": "int8"}, "is measured on a GPU"),
+    ({"client": "dpo", "precision": "fp32"}, "is measured on a GPU"),
+])
+def test_a_setting_never_measured_says_so(words, says):
+    found = setting_accuracy(words)
+    assert found["methods"] == {}
+    assert says in found["missing"] and found["missing"].count("\n") == 0
+
+
+@pytest.mark.parametrize("words, named", [
+    ({"client": "banana", "precision": "bf16"}, "client"),
+    ({"precision": "bf17"}, "precision"),
+    ({"client": "sft"}, "precision"),
+    ({"precision": "bf16", "num_gpus": 0}, "num_gpus"),
+    ({"precision": "bf16", "lora_r": "16"}, "lora_r"),
+    ({"precision": "bf16", "liger_kernel": "yes"}, "liger_kernel"),
+    ({"precision": "bf16", "quantization": "nf3"}, "quantization"),
+    ({"precision": "bf16", "optim": "sgd"}, "optim"),
+])
+def test_bad_words_are_one_line(words, named):
+    with pytest.raises(UserError) as raised:
+        setting_accuracy(words)
+    assert named in str(raised.value) and "\n" not in str(raised.value)
