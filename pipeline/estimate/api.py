@@ -25,8 +25,9 @@ def prepare(method, coefficients, model=None, config=None, params=None, active_p
 
 def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing=None, attn_implementation=None,
              expandable_segments=False, client=None, optim=None, gradient_accumulation=None,
-             training_args=None, num_gpus=1, sharding=None, adapter=None, liger_kernel=None, completion_share=None,
-             sft_config=None, weights_dtype=None, declared_dtype=None) -> tuple[Run, list]:
+             training_args=None, num_gpus=None, sharding=None, adapter=None, liger_kernel=None, completion_share=None,
+             sft_config=None, weights_dtype=None, declared_dtype=None, shard_group=None, tensor_parallel=None,
+             accelerate_config=None) -> tuple[Run, list]:
     """The Run of the user's options, and notes. `training_args` (a TrainingArguments JSON path or dict)
     sets the trainer client and what it names, `sft_config` (TRL's SFT config, YAML or JSON) the sft
     client and what it names; an option given explicitly wins over a file's.
@@ -39,7 +40,7 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
 
     given = {"batch": batch, "seq": seq, "precision": precision, "checkpointing": checkpointing, "client": client,
              "optim": optim, "gradient_accumulation": gradient_accumulation, "liger_kernel": liger_kernel,
-             "adapter": adapter}
+             "adapter": adapter, "num_gpus": num_gpus, "sharding": sharding}
     notes, from_file = [], {}
     if training_args is not None and sft_config is not None:
         raise UserError("give one of training arguments (--training-args) and an SFT config (--sft-config), not both")
@@ -49,8 +50,19 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
         from pipeline.estimate.sft_config import read_sft_config
 
         from_file = read_sft_config(sft_config)
-    notes = from_file.pop("notes", [])
+    if accelerate_config is not None:
+        from pipeline.estimate.launch import read_accelerate_config
+
+        launch = read_accelerate_config(accelerate_config)
+        notes += launch.pop("notes")
+        if "autocast" in launch and "autocast" not in from_file:  # the training file's bf16 / fp16 wins
+            from_file["autocast"] = launch.pop("autocast")
+        from_file = {**launch, **{k: v for k, v in from_file.items() if k != "sharding" or "sharding" not in launch}}
+    notes += from_file.pop("notes", [])
     given = {key: from_file.get(key) if value is None else value for key, value in given.items()}
+    if given["sharding"] is not None and given["num_gpus"] is None:
+        raise UserError(f"sharding {given['sharding']} needs the number of GPUs: --num-gpus (num_gpus=), or an "
+                        "accelerate config's num_processes")
     if weights_dtype is not None:
         check_choice("weights dtype", weights_dtype, WEIGHTS_DTYPES)
     client = given["client"] or "loop"
@@ -79,8 +91,10 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
         raise UserError(f"checkpointing must be true or false, not {given['checkpointing']!r}")
     run = Run(given["batch"], given["seq"], given["precision"], optimizer, given["checkpointing"], attn_implementation,
               expandable_segments, client, given["optim"],
-              1 if given["gradient_accumulation"] is None else given["gradient_accumulation"], num_gpus, sharding,
-              given["adapter"], liger_kernel=False if given["liger_kernel"] is None else given["liger_kernel"],
+              1 if given["gradient_accumulation"] is None else given["gradient_accumulation"],
+              1 if given["num_gpus"] is None else given["num_gpus"], given["sharding"], shard_group,
+              1 if tensor_parallel is None else tensor_parallel, given["adapter"],
+              liger_kernel=False if given["liger_kernel"] is None else given["liger_kernel"],
               completion_share=1.0 if completion_share is None else completion_share)
     return run, [*notes, *(given["adapter"].notes if given["adapter"] is not None else ())]
 
@@ -97,7 +111,7 @@ def model_of_file(model, config, params, sft_config) -> tuple:
 
 RUN_OPTIONS = ("batch", "seq", "precision", "optimizer", "checkpointing", "attn_implementation", "expandable_segments",
                "client", "optim", "gradient_accumulation", "training_args", "num_gpus", "sharding", "liger_kernel",
-               "completion_share", "sft_config", "weights_dtype")
+               "completion_share", "sft_config", "weights_dtype", "shard_group", "tensor_parallel", "accelerate_config")
 
 
 def prepared(what: dict, options: dict, method, coefficients, dev: Device | None) -> tuple:
@@ -122,9 +136,10 @@ def prepared(what: dict, options: dict, method, coefficients, dev: Device | None
 def estimate(model=None, config=None, params=None, *, batch=None, seq=None, precision=None, optimizer=None,
              checkpointing=None, method="heuristic", coefficients=None, gpu=None, gpu_memory_gib=None,
              attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
-             gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None, lora_r=None,
+             gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
              lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
-             completion_share=None, sft_config=None, weights_dtype=None) -> dict:
+             completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
+             accelerate_config=None) -> dict:
     """Peak memory of a training step at (batch, seq), with its components (bytes).
 
     Give one of `model` (registry or Hub id), `config` (config.json path, its dict, or a
@@ -151,7 +166,11 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
     joined by commas), `quantization` (nf4 | int8: QLoRA), or `peft_config` (an adapter_config.json).
 
     Several GPUs: `num_gpus` N and `sharding` ddp | fsdp | fsdp-no-reshard (FSDP2 per decoder layer
-    and the root); `batch` is per GPU and the answer is one GPU's (rank 0), its fit verdict per GPU.
+    and the root) | hsdp (FSDP2 over `shard_group` S GPUs, replicated across N / S), `tensor_parallel` T (the
+    model's tensor-parallel plan over T GPUs; the sharding over the N / T data-parallel ranks), or
+    `accelerate_config` (an accelerate config file: num_processes, distributed_type, mixed_precision, fsdp_config);
+    the Trainer clients take the FSDP keys of their training files too. `batch` is per data-parallel rank; the
+    answer is one GPU's (every rank holds the same), its fit verdict per GPU with NCCL's memory outside PyTorch.
     """
     options = dict(locals())
     dev = gpu_of(gpu, gpu_memory_gib)
@@ -178,7 +197,7 @@ def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = 
               "active_parameters": target.active, "parameters_source": target.source,
               "batch_size": run.batch, "seq_len": run.seq, "precision": run.precision, "client": run.client,
               "optimizer": run.optimizer, "optim": run.optim, "gradient_accumulation": run.gradient_accumulation,
-              "num_gpus": run.num_gpus, "sharding": run.sharding,
+              **run.layout.columns(),
               "adapter": None if run.adapter is None else run.adapter.columns(),
               "liger_kernel": run.liger_kernel, "completion_share": run.completion_share,
               "checkpointing": run.checkpointing, "expandable_segments": run.expandable_segments,
@@ -202,9 +221,10 @@ def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = 
 def max_batch_size(model=None, config=None, params=None, *, seq=None, precision=None, gpu=None, gpu_memory_gib=None,
                    optimizer=None, checkpointing=None, method="heuristic", coefficients=None,
                    attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
-                   gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None, lora_r=None,
+                   gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
                    lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
-                   completion_share=None, sft_config=None, weights_dtype=None) -> int:
+                   completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
+                   accelerate_config=None) -> int:
     """The largest batch that fits the GPU at sequence length `seq` (0: none), by the fit verdict;
     the options are `estimate`'s."""
     options = dict(locals(), batch=1)
@@ -216,9 +236,10 @@ def max_batch_size(model=None, config=None, params=None, *, seq=None, precision=
 def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=None, gpu=None, gpu_memory_gib=None,
                 optimizer=None, checkpointing=None, method="heuristic", coefficients=None,
                 attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
-                gradient_accumulation=None, training_args=None, num_gpus=1, sharding=None, lora_r=None,
+                gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
                 lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
-                completion_share=None, sft_config=None, weights_dtype=None) -> int:
+                completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
+                accelerate_config=None) -> int:
     """The longest sequence that fits the GPU at batch size `batch` (0: none), by the fit verdict,
     at most the model's context length when its config gives one; the options are `estimate`'s."""
     options = dict(locals(), seq=1)

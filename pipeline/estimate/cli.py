@@ -58,10 +58,24 @@ def add_cli(subparsers) -> None:
                         help="the share of positions that carry a label, in (0, 1] (sft: completion_only_loss on "
                              "prompt-completion data; default 1)")
     add_adapter_arguments(parser)
-    parser.add_argument("--num-gpus", type=positive_int, default=1, metavar="N",
-                        help="GPUs of a data-parallel run (with --sharding; --batch is per GPU)")
+    parser.add_argument("--num-gpus", type=positive_int, default=None, metavar="N",
+                        help="GPUs of the run (with --sharding; --batch is per data-parallel rank)")
     parser.add_argument("--sharding", choices=SHARDINGS, default=None,
-                        help="ddp, or FSDP2 per decoder layer and the root (fsdp: resharded after forward)")
+                        help="ddp, or FSDP2 per decoder layer and the root (fsdp: resharded after forward), or hsdp "
+                             "(FSDP2 over --shard-group GPUs, replicated across the rest)")
+    parser.add_argument("--shard-group", type=positive_int, default=None, metavar="S",
+                        help="hsdp: the GPUs one copy of the model is sharded over (usually a node's 8)")
+    parser.add_argument("--tensor-parallel", type=positive_int, default=None, metavar="T",
+                        help="tensor parallelism over T GPUs (the model's own plan); the sharding runs over N / T")
+    parser.add_argument("--accelerate-config", default=None, metavar="FILE",
+                        help="an accelerate config file (accelerate launch --config_file): num_processes, "
+                             "distributed_type (MULTI_GPU: ddp; FSDP), mixed_precision, fsdp_config")
+    layouts = parser.add_mutually_exclusive_group()
+    layouts.add_argument("--layouts", action="store_true",
+                         help="a table of layouts (ddp, fsdp, fsdp-no-reshard; the loop: hsdp, tensor parallel) for "
+                              "N = 1, 2, 4, ... up to --num-gpus (default 8), each per-GPU peak and verdict (--gpu)")
+    layouts.add_argument("--min-gpus", action="store_true",
+                         help="the fewest GPUs (1, 2, 4, ...) with a layout that fits --gpu, and the layouts tried")
     parser.add_argument("--method", choices=METHODS, default="heuristic")
     parser.add_argument("--coefficients", default=None, help=f"coefficient file (default {COEFFICIENTS})")
     gpu = parser.add_mutually_exclusive_group()
@@ -90,7 +104,10 @@ def share(text: str) -> float:
 
 
 def _estimate_command(args) -> int:
-    searching = "--max-batch-size" if args.max_batch_size else "--max-seq-len" if args.max_seq_len else None
+    if (args.layouts or args.min_gpus) and (args.max_batch_size or args.max_seq_len):
+        raise UserError("ask for one of --layouts / --min-gpus and --max-batch-size / --max-seq-len, not both")
+    searching = "--max-batch-size" if args.max_batch_size else "--max-seq-len" if args.max_seq_len else \
+        "--min-gpus" if args.min_gpus else "--layouts" if args.layouts else None
     if searching and args.gpu is None and args.gpu_memory is None:
         raise UserError(f"{searching} needs --gpu NAME or --gpu-memory GIB")
     if args.seq is None and not args.max_seq_len and args.sft_config is None:
@@ -99,11 +116,17 @@ def _estimate_command(args) -> int:
         raise UserError("give one of --model, --config and --params (or an --sft-config naming model_name_or_path)")
     options = dict(vars(args), batch=1 if args.max_batch_size and args.batch is None else args.batch,
                    seq=1 if args.max_seq_len and args.seq is None else args.seq, gpu_memory_gib=args.gpu_memory)
+    if args.layouts or args.min_gpus:  # the layouts are the answer's: the question is the run on one GPU
+        options.update(num_gpus=None, sharding=None, shard_group=None, tensor_parallel=None)
     dev = gpu_of(args.gpu, args.gpu_memory)
     if args.method != "formula" and args.params is None:  # the model is built: transformers is imported
         without_unused_libraries_in_transformers()
     estimator, target, run, notes = prepared({k: options[k] for k in ("model", "config", "params", "active_params")},
                                              options, args.method, args.coefficients, dev)
+    if args.layouts or args.min_gpus:
+        result = layouts_answer(estimator, target, run, dev, args.min_gpus, args.num_gpus)
+        print(json.dumps(result, indent=2) if args.json else layouts_summary(result))
+        return 0
     with one_question():  # the answer at the value found repeats one of the search's simulations
         if args.max_batch_size:
             largest_found = largest_batch(estimator, target, run, dev)
@@ -135,6 +158,12 @@ def without_unused_libraries_in_transformers() -> None:
         setattr(transformers.utils, f"is_{name}_available", lambda: False)
 
 
+def layout_text(result: dict) -> str:
+    from pipeline.training.layout import Layout
+
+    return Layout(result["num_gpus"], result["sharding"], result["shard_group"], result["tensor_parallel"]).describe()
+
+
 def adapter_text(adapter: dict) -> str:
     base = f"{adapter['quantization']} base" if adapter["quantization"] else "frozen base"
     return f", LoRA r={adapter['lora_r']} on {adapter['lora_targets']} ({base})"
@@ -149,7 +178,7 @@ def human_summary(result: dict) -> str:
     lines = [f"{result['method']}: {result['peak_bytes'] / GIB:.2f} GiB peak for N = {result['parameters']:,} "
              f"at B={result['batch_size']}, L={result['seq_len']}, {result['precision']}, {optimizer}"
              + (f", K={accumulation}" if accumulation > 1 else "") + (", checkpointing" if result["checkpointing"] else "")
-             + (f", one of {result['num_gpus']} GPUs ({result['sharding']})" if result["sharding"] else "")
+             + (f", one GPU of {layout_text(result)}" if result["num_gpus"] > 1 else "")
              + (adapter_text(result["adapter"]) if result["adapter"] else "")]
     for name, value in (result["components"] or {}).items():
         lines.append(f"  {name:<24} {value / GIB:10.2f} GiB")
@@ -163,4 +192,35 @@ def human_summary(result: dict) -> str:
     for name in ("max_batch_size", "max_seq_len"):
         if name in result:
             lines.append(f"  {name.replace('_', ' ')}: {result[name]}")
+    return "\n".join(lines)
+
+
+def layouts_answer(estimator, target, run, dev, fewest: bool, num_gpus: int | None) -> dict:
+    """The layouts table (N = 1, 2, 4, ... up to `num_gpus`, default 8) or the fewest GPUs that fit, as JSON."""
+    from pipeline.core.vocabulary import MAX_GPUS
+    from pipeline.estimate.layouts import doubling, fewest_gpus, layouts_table
+
+    base = {"method": estimator.name, "model_id": target.model_id, "parameters": target.parameters,
+            "batch_size": run.batch, "seq_len": run.seq, "precision": run.precision, "client": run.client,
+            "checkpointing": run.checkpointing, "gpu": dev.name, "device_total_bytes": dev.total_bytes}
+    if fewest:
+        found, rows = fewest_gpus(estimator, target, run, dev, num_gpus or MAX_GPUS)
+        fitting = [r for r in rows if r["fits"] and r["num_gpus"] == found]
+        best = max(fitting, key=lambda r: r["headroom_bytes"]) if fitting else None
+        return {**base, "min_gpus": found, "layout": best, "layouts": rows}
+    return {**base, "layouts": layouts_table(estimator, target, run, dev, doubling(num_gpus or 8))}
+
+
+def layouts_summary(result: dict) -> str:
+    from pipeline.estimate.layouts import table_text
+
+    head = (f"{result['method']}: {result['model_id'] or result['parameters']} at B={result['batch_size']} per "
+            f"data-parallel rank, L={result['seq_len']}, {result['precision']}, {result['client']}"
+            + (", checkpointing" if result["checkpointing"] else "") + f", on {result['gpu']}")
+    lines = [head]
+    if "min_gpus" in result:
+        best = result["layout"]
+        lines.append(f"  fewest GPUs that fit: {result['min_gpus'] or 'none up to the limit'}"
+                     + (f" ({best['layout']}, headroom {best['headroom_bytes'] / GIB:.1f} GiB)" if best else ""))
+    lines.append(table_text(result["layouts"]))
     return "\n".join(lines)

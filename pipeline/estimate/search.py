@@ -7,10 +7,10 @@ not beyond."""
 from __future__ import annotations
 
 from pipeline.core.vocabulary import MAX_BATCH, MAX_SEQ, MAX_TOKENS
-from pipeline.formulas.gpus import Device, outside_bytes
+from pipeline.formulas.gpus import Device
 from pipeline.estimate.estimators import ClosedFormEstimator, Estimator
 from pipeline.training.values import Run, Target
-from pipeline.estimate.verdict import Verdict, judge
+from pipeline.estimate.verdict import Verdict, judge, run_outside_bytes
 
 # The headroom search moves up by at most this factor per probe while it has not yet found an n that
 # does not fit (and by this factor where the headroom does not yet fall with n).
@@ -31,7 +31,7 @@ def largest_batch(estimator: Estimator, target: Target, run: Run, dev: Device, l
     limit = min(limit, MAX_BATCH, MAX_TOKENS // run.seq)
     guess = None
     if isinstance(estimator, ClosedFormEstimator):  # its allocated budget, for a first guess
-        room = dev.total_bytes - outside_bytes(dev, run.precision, run.attn_implementation)
+        room = dev.total_bytes - run_outside_bytes(run, dev)
         budget = room / estimator.ratio["value"]
         guess = estimator.guess_batch(target, run, budget)
         return largest(lambda batch: fits(estimator, target, run.with_batch(batch), dev), limit, guess,

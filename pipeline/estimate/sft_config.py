@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pipeline.core.errors import UserError
 from pipeline.core.vocabulary import WEIGHTS_DTYPE_OF_TORCH_NAME
-from pipeline.estimate.training_args import check_flag, optim_name, positive_int_option
+from pipeline.estimate.training_args import with_fsdp, check_flag, optim_name, positive_int_option
 
 MAX_LENGTH_DEFAULT = 1024  # SFTConfig.max_length (trl 1.16)
 LORA_DEFAULTS = {"lora_r": 16, "lora_alpha": 32}  # ModelConfig (trl 1.16)
@@ -31,7 +31,6 @@ UNMODELLED = {
     "packing": "packing (several sequences per row; with padding_free, no padding and no attention mask)",
     "padding_free": "padding-free batches",
     "deepspeed": "DeepSpeed",
-    "fsdp": "FSDP sharding (see --num-gpus/--sharding)",
     "torch_compile": "torch.compile",
     "activation_offloading": "activation offloading",
     "gradient_checkpointing_kwargs": "gradient checkpointing arguments",
@@ -94,6 +93,7 @@ def read_sft_config(source) -> dict:
                 "checkpointing": args.get("gradient_checkpointing", True),
                 "optim": optim_name(args.get("optim")), "liger_kernel": bool(args.get("use_liger_kernel", False)),
                 "adapter": adapter, "weights": weights, "model": model, "notes": notes}
+    with_fsdp(settings, args, label)
     return settings
 
 

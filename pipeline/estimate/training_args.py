@@ -12,7 +12,6 @@ from pipeline.core.text import short
 
 # Arguments that change memory in ways no estimator models: named in the answer's notes.
 UNMODELLED = {
-    "fsdp": "FSDP sharding (see --num-gpus/--sharding)",
     "deepspeed": "DeepSpeed",
     "torch_compile": "torch.compile",
     "optim_args": "optimizer arguments (optim_args)",
@@ -38,7 +37,21 @@ def read_training_args(source) -> dict:
                 "optim": optim_name(args.get("optim")), "liger_kernel": bool(args.get("use_liger_kernel", False))}
     settings["notes"] = [f"training args: {what} is not modelled" for key, what in UNMODELLED.items()
                          if args.get(key) not in (None, False, "", [], {})]
+    with_fsdp(settings, args, label)
     return {key: value for key, value in settings.items() if value is not None or key == "autocast"}
+
+
+def with_fsdp(settings: dict, args: dict, label: str) -> None:
+    """The sharding a training file's `fsdp` / `fsdp_config` keys launch (`estimate.launch.fsdp_settings`), in
+    `settings` (FSDP's activation checkpointing too; its notes added)."""
+    from pipeline.estimate.launch import fsdp_settings
+
+    fsdp = fsdp_settings(args.get("fsdp"), args.get("fsdp_config"), label)
+    settings["notes"] += fsdp.pop("notes", [])
+    if fsdp.get("checkpointing"):
+        settings["checkpointing"] = True
+    if "sharding" in fsdp:
+        settings["sharding"] = fsdp["sharding"]
 
 
 def check_flag(args: dict, key: str, label: str) -> None:

@@ -13,16 +13,21 @@ from pipeline.core.text import short
 from pipeline.training.values import GIB, Estimate, Run
 
 
+def run_outside_bytes(run: Run, dev: Device) -> int:
+    """The memory outside PyTorch of one of the run's processes on `dev` (NCCL's on several GPUs)."""
+    return outside_bytes(dev, run.precision, run.attn_implementation, run.layout.communicators)
+
+
 def judge(estimated: Estimate, run: Run, dev: Device) -> Verdict:
-    return Verdict(dev, estimated.reserved(run.expandable_segments), outside_bytes(dev, run.precision,
-                   run.attn_implementation), estimated.reserved_expandable_bytes)
+    return Verdict(dev, estimated.reserved(run.expandable_segments), run_outside_bytes(run, dev),
+                   estimated.reserved_expandable_bytes)
 
 
 def limited(run: Run, dev: Device | None) -> Run:
     """The run with the bytes it may reserve on `dev` (its total less the memory outside PyTorch)."""
     if dev is None:
         return run
-    return replace(run, reserve_limit=dev.total_bytes - outside_bytes(dev, run.precision, run.attn_implementation))
+    return replace(run, reserve_limit=dev.total_bytes - run_outside_bytes(run, dev))
 
 
 def gpu_of(gpu=None, gpu_memory_gib=None) -> Device | None:

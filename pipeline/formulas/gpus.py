@@ -23,6 +23,13 @@ MIB = 1 << 20
 
 # Outside PyTorch's allocator, per process (MiB): the largest measured of each regime on the H200.
 CONTEXT_MIB = {"fp32": 746, "bf16": 768}
+# On several GPUs NCCL adds its own buffers outside the allocator, per communicator the rank is in (MiB over the
+# single-GPU context), the largest measured for each count on an H200 x4 host (results/distributed/h200: NVML
+# at the end of training minus the reserved bytes, every rank alike): one communicator (DDP, FSDP2: the default
+# group) 846; two (tensor parallelism alone: the default group and the tp group, of 2 or 4 ranks alike) 1,230;
+# three (HSDP: default, replicate, shard; FSDP2 x tensor parallel: default, dp, tp) 1,524. It grows with the
+# communicators, not with their size; beyond three, each more adds the last step (294, not measured).
+NCCL_MIB = (0, 846, 1230, 1524)
 # Where the driver's reserve of a card is unknown: the H200's.
 DEFAULT_DRIVER_RESERVED_MIB = 615
 
@@ -138,9 +145,17 @@ def context_bytes(precision: str, attn_implementation: str | None = None) -> int
     return CONTEXT_MIB["fp32" if low else "bf16"] * MIB
 
 
-def outside_bytes(dev: Device, precision: str, attn_implementation: str | None = None) -> int:
-    """Everything between the allocator's reserved bytes and nvidia-smi's total on `dev`."""
-    return context_bytes(precision, attn_implementation) + dev.driver_reserved_bytes
+def nccl_bytes(communicators: int) -> int:
+    """NCCL's memory outside the allocator for a rank in `communicators` process groups (0 on one GPU)."""
+    if communicators < len(NCCL_MIB):
+        return NCCL_MIB[communicators] * MIB
+    return (NCCL_MIB[-1] + (communicators - len(NCCL_MIB) + 1) * (NCCL_MIB[-1] - NCCL_MIB[-2])) * MIB
+
+
+def outside_bytes(dev: Device, precision: str, attn_implementation: str | None = None, communicators: int = 0) -> int:
+    """Everything between the allocator's reserved bytes and nvidia-smi's total on `dev` (on several GPUs, NCCL's
+    buffers of the rank's `communicators` too)."""
+    return context_bytes(precision, attn_implementation) + dev.driver_reserved_bytes + nccl_bytes(communicators)
 
 
 def _normal(name: str) -> str:

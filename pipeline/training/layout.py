@@ -70,6 +70,15 @@ class Layout:
             return self.shard_group
         return self.data_parallel if self.sharding in ("fsdp", "fsdp-no-reshard") else 1
 
+    @property
+    def communicators(self) -> int:
+        """NCCL communicators a rank is in: the default group, and on a mesh of several dimensions a group for each
+        dimension of more than one rank (HSDP's replicate and shard groups; the data- and tensor-parallel groups)."""
+        if not self.sharded:
+            return 0
+        shape, _ = self.mesh_shape()
+        return 1 + (sum(1 for size in shape if size > 1) if len(shape) > 1 else 0)
+
     def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         if self.sharding == "hsdp":
             shape, names = (self.data_parallel // self.shard_group, self.shard_group), ("replicate", "shard")
@@ -98,7 +107,7 @@ class Layout:
                 "tensor_parallel": self.tensor_parallel}
 
     def describe(self) -> str:
-        parts = [f"{self.num_gpus} GPUs"]
+        parts = [f"{self.num_gpus} GPU" + ("s" if self.num_gpus > 1 else "")]
         if self.sharding == "hsdp":
             parts.append(f"hsdp ({self.data_parallel // self.shard_group} replicas x {self.shard_group} shards)")
         elif self.sharding:
@@ -106,3 +115,27 @@ class Layout:
         if self.tensor_parallel > 1:
             parts.append(f"tensor parallel {self.tensor_parallel}")
         return ", ".join(parts)
+
+
+NODE = 8  # GPUs of one node: HSDP's shard group and tensor parallelism's largest size, as people lay them out
+
+
+def candidate_layouts(num_gpus: int, client: str = "loop", heads: tuple = ()) -> list[Layout]:
+    """The layouts worth asking about on `num_gpus` GPUs: ddp, fsdp and fsdp-no-reshard for every client; for the
+    loop also hsdp with a node's shard group (when N spans nodes) and tensor parallelism within a node (T of 2, 4,
+    8 dividing N and every count of `heads`), alone or with fsdp or hsdp over the data-parallel ranks."""
+    if num_gpus == 1:
+        return [Layout()]
+    found = [Layout(num_gpus, sharding) for sharding in ("ddp", "fsdp", "fsdp-no-reshard")]
+    if client != "loop":
+        return found
+    if num_gpus > NODE and num_gpus % NODE == 0:
+        found.append(Layout(num_gpus, "hsdp", NODE))
+    for tp in (2, 4, NODE):
+        if tp > num_gpus or num_gpus % tp or any(h % tp for h in heads):
+            continue
+        data = num_gpus // tp
+        found.append(Layout(num_gpus, None if data == 1 else "fsdp", None, tp))
+        if data > NODE and data % NODE == 0:
+            found.append(Layout(num_gpus, "hsdp", NODE, tp))
+    return found

@@ -41,6 +41,18 @@ def fake_world(layout):
         yield layout.mesh("cpu")
     finally:
         dist.destroy_process_group()
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """DTensor's caches of sharding and redistribution plans, which hold the meshes (and their process groups'
+    names) of a world gone: a later world of an equal mesh would find its groups there."""
+    import torch.distributed.tensor.debug as debug
+    from torch.distributed.tensor import _redistribute
+
+    for name in ("_clear_python_sharding_prop_cache", "_clear_fast_path_sharding_prop_cache"):  # torch's, by version
+        getattr(debug, name, lambda: None)()
+    getattr(_redistribute._gen_transform_infos, "cache_clear", lambda: None)()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,110 @@
+"""Which layouts fit, and the fewest GPUs that do: the question people ask before they rent a cluster.
+
+`layouts_table(estimator, target, run, dev, counts)`: for each N of `counts` the candidate layouts
+(`training.layout.candidate_layouts`: ddp, fsdp, fsdp-no-reshard; for the loop also hsdp across nodes and tensor
+parallelism within one), each answered by the estimator with the run's other settings: per-GPU peak, reserved
+bytes, the verdict on `dev` (NCCL's memory outside PyTorch counted by the layout's communicators) and the
+headroom. `fewest_gpus(...)`: the smallest N (doubling from 1) with a layout that fits, and its rows.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from pipeline.core.errors import UserError
+from pipeline.core.vocabulary import MAX_GPUS
+from pipeline.estimate.verdict import judge, limited, run_outside_bytes
+from pipeline.formulas.components import optimizer_bytes
+from pipeline.core.vocabulary import WEIGHT_BYTES
+from pipeline.training.layout import Layout, candidate_layouts
+from pipeline.training.values import GIB, Run
+
+
+def layout_row(estimator, target, run: Run, layout: Layout, dev) -> dict:
+    """One layout's answer: its columns, the per-GPU peak and reserved bytes, and the verdict on `dev`; a layout
+    whose weights, gradients and optimizer state alone exceed the GPU is answered without its step."""
+    laid = limited(replace(run, **layout.columns()), dev)
+    floor = static_bytes(target.parameters, laid)
+    if floor + run_outside_bytes(laid, dev) > dev.total_bytes:
+        return {**layout.columns(), "layout": layout.describe(), "fits": False, "peak_bytes": None,
+                "reason": f"weights, gradients and optimizer state alone take {floor / GIB:.1f} GiB a GPU"}
+    try:
+        estimated = estimator.predict(target, laid)
+    except UserError as exc:
+        return {**layout.columns(), "layout": layout.describe(), "fits": None, "reason": str(exc)}
+    verdict = judge(estimated, laid, dev)
+    return {**layout.columns(), "layout": layout.describe(), "peak_bytes": estimated.peak_bytes,
+            "peak_reserved_bytes": verdict.reserved_bytes, "outside_bytes": verdict.outside_bytes,
+            "fits": bool(verdict.fits), "headroom_bytes": verdict.headroom_bytes}
+
+
+def static_bytes(parameters: int, run: Run) -> float:
+    """A floor of one GPU's bytes under the run's layout, exact from N: its share of the weights, and with full
+    fine-tuning of the gradients and optimizer state (in the weights' dtype or more: accelerate's FSDP2 upcasts),
+    plus the weights fsdp-no-reshard keeps gathered from the forward to the backward."""
+    layout = run.layout
+    weights = WEIGHT_BYTES[run.precision] * parameters
+    total = weights
+    if run.adapter is None:
+        total += weights + optimizer_bytes(run.optimizer_key, parameters, WEIGHT_BYTES[run.precision])[0]
+    total /= layout.shards * layout.tensor_parallel
+    if layout.sharding == "fsdp-no-reshard":
+        total += weights * (1 - 1 / layout.shards) / layout.tensor_parallel
+    return total
+
+
+def heads_of(target) -> tuple:
+    """The attention and key/value head counts a tensor-parallel size must divide (from the config, if any)."""
+    config = target.config
+    if config is None:
+        return ()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    get = text.get if isinstance(text, dict) else lambda name: getattr(text, name, None)
+    return tuple(h for h in (get("num_attention_heads"), get("num_key_value_heads")) if isinstance(h, int) and h > 0)
+
+
+def layouts_table(estimator, target, run: Run, dev, counts, workers: int | None = None) -> list[dict]:
+    """The rows of every candidate layout of every N in `counts`. The simulator's answers (seconds each for a 70B
+    model) are asked of `workers` processes at once (default: the CPUs there are, at most 4)."""
+    heads = heads_of(target)
+    layouts = [layout for n in counts for layout in candidate_layouts(n, run.client, heads)]
+    workers = min(workers or os.cpu_count() or 1, 4, len(layouts))
+    if estimator.name != "exact" or workers < 2:
+        return [layout_row(estimator, target, run, layout, dev) for layout in layouts]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawned, not forked: a process that has run autograd cannot fork it
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(layout_row, *zip(*[(estimator, target, run, layout, dev) for layout in layouts])))
+
+
+def doubling(limit: int) -> list[int]:
+    counts, n = [], 1
+    while n <= limit:
+        counts.append(n)
+        n *= 2
+    return counts
+
+
+def fewest_gpus(estimator, target, run: Run, dev, limit: int = MAX_GPUS) -> tuple[int, list[dict]]:
+    """(the smallest N of 1, 2, 4, ... up to `limit` with a layout that fits `dev`, 0 if none; the rows asked)."""
+    rows = []
+    for n in doubling(limit):
+        found = layouts_table(estimator, target, run, dev, [n])
+        rows += found
+        if any(row["fits"] for row in found):
+            return n, rows
+    return 0, rows
+
+
+def table_text(rows: list[dict]) -> str:
+    lines = [f"  {'layout':<60} {'peak GiB':>9} {'reserved GiB':>13} {'fits':>5}"]
+    for row in rows:
+        if row.get("peak_bytes") is None:
+            lines.append(f"  {row['layout']:<60} {'no' if row['fits'] is False else '?':>29} {row['reason'][:70]}")
+            continue
+        lines.append(f"  {row['layout']:<60} {row['peak_bytes'] / GIB:9.2f} {row['peak_reserved_bytes'] / GIB:13.2f} "
+                     f"{'yes' if row['fits'] else 'no':>5}")
+    return "\n".join(lines)
