@@ -42,7 +42,13 @@ def test_closed_forms_shard_weights_gradients_and_state():
 @pytest.mark.parametrize("arguments, message", [
     (["--num-gpus", "4"], "num_gpus 4 needs a sharding"),
     (["--num-gpus", "4", "--sharding", "zero3"], "invalid choice"),
-    (["--sharding", "fsdp", "--num-gpus", "2", "--client", "trainer"], "sharding is estimated for the loop client only"),
+    (["--sharding", "fsdp"], "sharding fsdp needs the number of GPUs"),
+    (["--num-gpus", "4", "--sharding", "fsdp", "--tensor-parallel", "3"], "tensor_parallel 3 does not divide num_gpus 4"),
+    (["--num-gpus", "8", "--sharding", "hsdp"], "sharding hsdp needs a shard_group"),
+    (["--num-gpus", "8", "--sharding", "hsdp", "--shard-group", "3"], "shard_group 3 does not divide the 8"),
+    (["--num-gpus", "4", "--sharding", "fsdp", "--shard-group", "2"], "shard_group is hsdp's"),
+    (["--num-gpus", "4", "--sharding", "ddp", "--tensor-parallel", "2"], "tensor parallelism with ddp"),
+    (["--num-gpus", "4", "--sharding", "fsdp", "--layouts"], "--gpu NAME"),
 ])
 def test_bad_sharding_options_are_one_line(arguments, message, capsys):
     try:
