@@ -43,9 +43,10 @@ def test_simulation_equals_real_gloo_run_on_the_cpu(num_gpus, shardings, precisi
         assert real[sharding]["peak_bytes"] > 0
 
 
-def test_hsdp_and_tensor_parallel_equal_real_gloo_runs_on_the_cpu():
-    """HSDP (2 replicas x 2 shards), tensor parallelism 2 x FSDP2 2 and tensor parallelism 4 alone, on 4 gloo
-    ranks: the simulation (fake process group, meta) counts rank 0's bytes as the real run does."""
+def test_hsdp_tensor_parallel_and_mp_bf16_equal_real_gloo_runs_on_the_cpu():
+    """HSDP (2 replicas x 2 shards), tensor parallelism 2 x FSDP2 2 and tensor parallelism 2 alone, and FSDP2's
+    mixed precision (mp-bf16) on 2, on gloo ranks: the simulation (fake process group, meta) counts rank 0's
+    bytes as the real run does."""
     from pipeline.simulate.distributed.check import run_cpu_check
     from pipeline.training.layout import Layout
 
@@ -53,11 +54,19 @@ def test_hsdp_and_tensor_parallel_equal_real_gloo_runs_on_the_cpu():
     # the real runs first: a process forks its ranks before its own autograd has run
     real = {str(layout): result for n, layouts in by_size.items()
             for layout, result in zip(layouts, run_cpu_check(TINY_LLAMA, n, layouts, precision="bf16").values())}
+    mixed = run_cpu_check(TINY_LLAMA, 2, ["fsdp"], precision="mp-bf16")["fsdp"]  # FSDP2's mixed precision
     for layout in by_size[4] + by_size[2]:
         simulated = simulate(layout.num_gpus, layout.sharding, precision="bf16", shard_group=layout.shard_group,
                              tensor_parallel=layout.tensor_parallel)
         for key in COMPARED:
             assert simulated[key] == real[str(layout)][key], (layout, key)
+    simulated = simulate(2, "fsdp", precision="mp-bf16")
+    for key in COMPARED:
+        assert simulated[key] == mixed[key], ("mp-bf16", key)
+    # fp32 shards, gradients and moments; the layers gathered in bf16 (half fp32's unsharded bytes)
+    fp32 = simulate(2, "fsdp", precision="fp32")["phase_components"]["forward"]
+    assert mixed["phase_components"]["forward"]["parameters"] == fp32["parameters"]
+    assert 0.45 < mixed["phase_components"]["forward"]["unsharded_parameters"] / fp32["unsharded_parameters"] < 0.55
     hsdp = simulate(4, "hsdp", shard_group=2)["phase_components"]["optimizer"]
     fsdp = simulate(4, "fsdp")["phase_components"]["optimizer"]
     # a replica of 2 shards keeps half of each parameter (a quarter under FSDP2 over 4)

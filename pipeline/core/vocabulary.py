@@ -25,6 +25,7 @@ class Precision:
     weights: str
     autocast: str | None = None
     scaler: bool = False
+    gathered: str | None = None  # FSDP2's MixedPrecisionPolicy: the dtype its all-gather casts the weights to
 
     @property
     def weight_bytes(self) -> int:
@@ -33,8 +34,8 @@ class Precision:
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes per element of the activations (the matmuls' outputs): 16 bits under autocast."""
-        return 2 if self.autocast or self.weights != "fp32" else 4
+        """Bytes per element of the activations (the matmuls' outputs): 16 bits under autocast or gathered in bf16."""
+        return 2 if self.autocast or self.gathered or self.weights != "fp32" else 4
 
     @property
     def weight_copies(self) -> bool:
@@ -46,13 +47,17 @@ class Precision:
 # amp-fp16 (the same under fp16 autocast, the loss scaled by a gradient scaler), bf16-autocast (bf16
 # weights, grads and state, and the forward under bf16 autocast all the same: what Trainer / SFTTrainer
 # with bf16=True run on a model loaded in bf16).
+# mp-bf16 (fp32 weights, gradients and state; FSDP2 casts the gathered weights to bf16 for compute and reduces
+# the gradients in fp32: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), torchtitan's recipe;
+# the loop under fsdp, fsdp-no-reshard and hsdp only).
 PRECISION_MODES = {p.name: p for p in (
     Precision("fp32", "fp32"), Precision("bf16", "bf16"), Precision("amp-bf16", "fp32", "bf16"),
-    Precision("amp-fp16", "fp32", "fp16", scaler=True), Precision("bf16-autocast", "bf16", "bf16"))}
+    Precision("amp-fp16", "fp32", "fp16", scaler=True), Precision("bf16-autocast", "bf16", "bf16"),
+    Precision("mp-bf16", "fp32", gathered="bf16"))}
 PRECISIONS = tuple(PRECISION_MODES)
 # activations.parquet spells a precision by its dtype (`dtype` column); this is the one bridge.
 DTYPE_OF_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "amp-bf16": "amp-bf16", "amp-fp16": "amp-fp16",
-                      "bf16-autocast": "bf16-autocast"}
+                      "bf16-autocast": "bf16-autocast", "mp-bf16": "mp-bf16"}
 PRECISION_OF_DTYPE = {dtype: precision for precision, dtype in DTYPE_OF_PRECISION.items()}
 # Element size of the activations of a precision (the autocast modes compute in 16 bits).
 ACTIVATION_BYTES = {name: p.activation_bytes for name, p in PRECISION_MODES.items()}

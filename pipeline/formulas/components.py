@@ -82,7 +82,7 @@ AMP_WEIGHT_COPY_BYTES = {name: 2 for name, mode in PRECISION_MODES.items() if mo
 # A precision whose constants are not measured (yet) takes those of one with the same tensor sizes:
 # amp-fp16 keeps amp-bf16's tensors; bf16-autocast bf16's (the same weights, grads, state and activation
 # sizes; autocast's fp32 ops on bf16 inputs add a little, `features.autocast_fp32_bytes`).
-MEASURED_LIKE = {"amp-fp16": "amp-bf16", "bf16-autocast": "bf16"}
+MEASURED_LIKE = {"amp-fp16": "amp-bf16", "bf16-autocast": "bf16", "mp-bf16": "bf16"}
 
 PEAK_FORMULAS = {
     "blog": "parameters + optimizer_state + max(gradients + optimizer_intermediates, activations)",

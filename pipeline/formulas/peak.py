@@ -59,7 +59,7 @@ PEAK_FORMULA = ("peak = max(W + G + S + I + workspaces, W + S + workspaces + 8 x
 # activations; the same kernel choice on sm90); its gradient scaler adds a few 512-byte blocks.
 SAME_TENSORS_AS = {"amp-fp16": "amp-bf16"}
 # A precision without a fit of its own (yet) takes the fit of one with the same sizes, plus known terms.
-STANDS_IN = {"bf16-autocast": "bf16"}
+STANDS_IN = {"bf16-autocast": "bf16", "mp-bf16": "bf16"}  # mp-bf16: bf16 compute of fp32 weights gathered by FSDP2
 
 
 def peak_group(precision: str, checkpointing: bool) -> str:
@@ -160,6 +160,8 @@ def fitted_group(peak_fits: dict, precision: str, checkpointing: bool) -> tuple[
         return own, None
     stand_in = peak_group(STANDS_IN[precision], checkpointing)
     peak_fits[stand_in]  # noqa: B018
+    if not precision_mode(precision).autocast:
+        return stand_in, f"{precision} has no fit of its own yet: {stand_in}'s saved bytes (the same bf16 compute)"
     return stand_in, (f"{precision} has no fit of its own yet: {stand_in}'s fit plus the fp32 copies autocast "
                       "keeps on bf16 inputs (LayerNorm inputs, gelu_new, partial rotary; from the op lists)")
 
@@ -179,7 +181,7 @@ def closed_form_peak(peak_fits: dict, facts, parameters, batch: int, seq: int, p
     sft = client == "sft"
     fused = sft or (liger_kernel and client != "loop")
     saved = sum(coefficients.get(t, 0.0) * v for t, v in zip(TERMS, x) if not (fused and t == "vocabulary"))
-    if note is not None:
+    if note is not None and precision_mode(precision).autocast:
         saved += autocast_fp32_bytes(facts, checkpointing)
     parts = branches(facts, parameters, batch, seq, precision, optimizer, checkpointing, saved)
     if fused:

@@ -21,9 +21,10 @@ from pipeline.core.errors import UserError
 from pipeline.inputs.modeling import decoder_layers
 
 
-def shard(model, layout, mesh=None, device_ids=None, fake: bool = False):
+def shard(model, layout, mesh=None, device_ids=None, fake: bool = False, precision: str | None = None):
     """`model` under `layout` over `mesh` (see the module docstring); returns the module to call. `fake`: the
-    process group is the fake one (DDP then gets `fake_allreduce_hook`)."""
+    process group is the fake one (DDP then gets `fake_allreduce_hook`). `precision` mp-bf16: FSDP2's
+    MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)."""
     if layout.tensor_parallel > 1:
         tensor_parallel(model, mesh["tp"])
     if layout.sharding == "ddp":
@@ -39,14 +40,27 @@ def shard(model, layout, mesh=None, device_ids=None, fake: bool = False):
     from torch.distributed.fsdp import fully_shard
 
     data_mesh = layout.data_mesh(mesh) if mesh is not None else None
-    reshard = layout.sharding != "fsdp-no-reshard"
+    options = {"mesh": data_mesh, "reshard_after_forward": layout.sharding != "fsdp-no-reshard",
+               **mixed_precision(precision)}
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules)")
     for layer in layers:
-        fully_shard(layer, mesh=data_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=data_mesh, reshard_after_forward=reshard)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     return model
+
+
+def mixed_precision(precision: str | None) -> dict:
+    """fully_shard's mp_policy of a precision that names one (mp-bf16), else nothing."""
+    from pipeline.core.vocabulary import precision_mode
+
+    if precision is None or not precision_mode(precision).gathered:
+        return {}
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
 def tensor_parallel(model, tp_mesh) -> None:

@@ -13,7 +13,7 @@ from pipeline.formulas.components import optimizer_key
 from pipeline.training.layout import Layout
 from pipeline.training.step import Setting
 from pipeline.core.vocabulary import (MAX_ACCUMULATION, MAX_BATCH, MAX_SEQ, MAX_TOKENS, PRECISIONS, check_bool,
-                                      check_choice, check_positive_int)
+                                      check_choice, check_positive_int, precision_mode)
 
 GIB = 2**30
 
@@ -73,6 +73,10 @@ class Run:
     def check_sharding(self) -> None:
         layout = Layout(self.num_gpus, self.sharding, self.shard_group, self.tensor_parallel)
         object.__setattr__(self, "num_gpus", layout.num_gpus)
+        if precision_mode(self.precision).gathered and (layout.shards < 2 or self.client != "loop"):
+            raise UserError(f"precision {self.precision} is FSDP2's mixed precision of the loop: it needs --sharding "
+                            "fsdp, fsdp-no-reshard or hsdp over several GPUs (the Trainer clients take bf16 with "
+                            "fp32 weights: amp-bf16, which accelerate's FSDP2 runs so)")
         if self.client == "loop" and self.adapter is not None and layout.sharded:
             raise UserError("the loop's sharded step is full fine-tuning; adapters on several GPUs run with the "
                             "trainer, sft and dpo clients")

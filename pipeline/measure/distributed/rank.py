@@ -148,7 +148,7 @@ def build_sharded(record, precision: str, layout, device: str, local_rank: int):
         module = shard(model, layout, device_ids=[local_rank] if device == "cuda" else None)
     else:
         model = build(config, precision, "default", device="meta")
-        module = shard(model, layout, layout.mesh(device))
+        module = shard(model, layout, layout.mesh(device), precision=precision)
         model.to_empty(device=target)
     if device == "cuda":
         torch.cuda.synchronize()

@@ -62,7 +62,7 @@ def simulate_sharded_step(model, run, mesh, device_type: str = "meta", cuda_rule
     amp = (lambda: rules.autocast(amp_dtype)) if amp_dtype is not None else contextlib.nullcontext
     fake = _fake_group()
     if layout.sharding != "ddp":  # sharded before the peak counter starts, as the GPU run does
-        module = shard(model, layout, mesh)
+        module = shard(model, layout, mesh, precision=precision)
         if layout.tensor_parallel > 1:  # a tensor-parallel shard is a view of its full weight until given storage
             model.to_empty(device=device_type)
     with rules, tracker, roles(tracker):
