@@ -69,6 +69,7 @@ class Scheduler:
         self.pending = {group.key: list(group.points) for group in work}
         self.groups = {group.key: group for group in work}
         self.oom_at = {group.key: [] for group in work}
+        self.device_of = {}  # group key -> the device columns of its out-of-memory point
         self.done, self.plan, self.rows_path, self.config_path = done, plan, rows_path, config_path
         self.gpus, self.started = gpus, time.monotonic()
         self.deadline = deadline
@@ -155,6 +156,7 @@ class Scheduler:
                 rows = self.missing_ranks(group, point, rows, f"{reason}: {' | '.join(tail)[-400:]}")
             if any(r["status"] == "oom" for r in rows):
                 self.oom_at[key].append(point)
+                self.device_of[key] = {k: rows[0].get(k) for k in ("device", "driver_version", "gpu_total_bytes")}
             self.append(rows)
 
     def missing_ranks(self, group: Group, point: tuple, rows: list, reason: str) -> list:
@@ -177,6 +179,7 @@ class Scheduler:
         rows = []
         for rank in range(group.num_gpus):
             row = self.empty_row(group, (batch, seq))
+            row.update(self.device_of.get(group.key, {}))  # the GPU of the point that ran out of memory
             row.update(rank=rank, status="oom", reason=f"out of memory at B={oom_at[0]} L={oom_at[1]}")
             rows.append(row)
         self.append(rows)
@@ -185,7 +188,9 @@ class Scheduler:
         """A row for a point that ran nothing: its key and provenance, no measurement."""
         from pipeline.core.provenance import provenance
 
-        return {**provenance(), "model_id": group.model_id, "client": group.client, "precision": group.precision,
+        # the launcher's software, not a device: the point never ran on one
+        return {**provenance(), "device": None, "driver_version": None, "model_id": group.model_id,
+                "client": group.client, "precision": group.precision,
                 "num_gpus": group.num_gpus, "sharding": group.sharding, "shard_group": group.shard_group,
                 "tensor_parallel": group.tensor_parallel, "gradient_checkpointing": group.checkpointing,
                 "lora_r": 16 if group.adapter == "lora" else None, "lora_alpha": 32 if group.adapter == "lora" else None,
