@@ -47,6 +47,10 @@ SETTINGS_TABLES = {
     # config/sweep_norms_heldout.yaml: models of HELD_OUT_MODELS measured after the formula's query/key-norm and
     # soft-cap terms (the loop in bf16 and amp-bf16)
     "results/norms_heldout/h100/peak_memory.parquet": "held-out",
+    # Several GPUs (config/sweep_distributed_clients.yaml, _heldout.yaml): the Trainer, SFTTrainer and DPOTrainer
+    # under DDP and FSDP2, the loop under hsdp and tensor parallelism; every rank a row
+    "results/distributed/h200/peak_memory.parquet": "tuned",
+    "results/distributed_heldout/h200/peak_memory.parquet": "held-out",
 }
 SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
 SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"

@@ -106,9 +106,8 @@ class BlogEstimator(ClosedFormEstimator):
     def predict(self, target: Target, run: Run) -> Estimate:
         self.check_client(run)
         n = target.parameters
-        components = shard_components(self.with_adapter(blog_components(
-            n, run.batch, run.seq, run.precision, run.optimizer_key, run.checkpointing), target, run),
-            run.num_gpus, run.sharding)
+        components = sharded(self.with_adapter(blog_components(
+            n, run.batch, run.seq, run.precision, run.optimizer_key, run.checkpointing), target, run), run)
         return self.with_reserved(Estimate(blog_peak(components), components, {
             "activations_per_token": blog_a_bytes(n),
             "activations_per_token_unit": "fp32 bytes (as published; the formula multiplies by P again)",
@@ -158,7 +157,7 @@ class HeuristicEstimator(FittedEstimator):
         parts = training_components(target.parameters, elements, run.batch, run.seq, run.precision,
                                     run.optimizer_key, multiplier, factor)
         head_note = self.with_fused_head(parts, target, run, multiplier * factor)
-        components = shard_components(self.with_adapter(parts, target, run), run.num_gpus, run.sharding)
+        components = sharded(self.with_adapter(parts, target, run), run)
         c = self.coefficients
         note = ("activations = multiplier x A x B x L x bytes per element"
                 + (" x checkpointing factor" if run.checkpointing else "")
@@ -228,13 +227,13 @@ class FormulaEstimator(FittedEstimator):
         section = self.coefficients["activation_formula"]
         config = config_dict(target.config)
         facts = read_facts(config)
-        precision = activation_precision(run.precision, run.adapter.quantization if run.adapter else None,
+        precision = activation_precision(trained_precision(run), run.adapter.quantization if run.adapter else None,
                                          upcast=run.client != "sft")
         try:
             result = closed_form_peak(section["peak"], facts, target.parameters, run.batch, run.seq, precision,
                                       run.optimizer_key, run.checkpointing, run.attn_implementation, run.client,
                                       run.completion_share, head_trainable=run.adapter is None,
-                                      liger_kernel=run.liger_kernel)
+                                      liger_kernel=run.liger_kernel, tensor_parallel=run.layout.tensor_parallel)
         except KeyError:
             raise UserError(f"method 'formula': the coefficient file has no peak fit for "
                             f"{peak_group(precision, run.checkpointing)}") from None
@@ -242,9 +241,9 @@ class FormulaEstimator(FittedEstimator):
             spec = run.adapter
             result["components"]["activations"] += run.batch * run.seq * lora_saved_bytes_per_token(
                 facts, spec.targets, run.precision, spec.quantization, run.checkpointing)
-        if run.sharding is not None or run.adapter is not None:
+        if run.layout.sharded or run.adapter is not None:
             parts = self.with_adapter(result["components"], target, run)
-            result["components"] = shard_components(parts, run.num_gpus, run.sharding)
+            result["components"] = sharded(parts, run)
             result["peak_bytes"], result["peak_phase"] = peak_of(result["components"])
         hook = section["hook_elements"]["coefficients"]
         elements = sum(hook.get(t, 0.0) * v for t, v in hook_feature_values(facts).items())
@@ -261,6 +260,24 @@ class FormulaEstimator(FittedEstimator):
 ESTIMATORS = {estimator.name: estimator for estimator in (BlogEstimator, HeuristicEstimator, FormulaEstimator,
                                                            ExactEstimator)}
 assert tuple(ESTIMATORS) == METHODS
+
+
+def sharded(components: dict, run: Run) -> dict:
+    """The closed forms' components on one GPU of the run's layout (`formulas.components.shard_components`)."""
+    layout = run.layout
+    return shard_components(components, layout.sharding, layout.shards, layout.tensor_parallel)
+
+
+def trained_precision(run: Run) -> str:
+    """The precision the run's weights train in: under FSDP2 a Trainer client's bf16 autocast is accelerate's
+    mixed precision instead (its trainable weights upcast to fp32 and gathered in bf16, no autocast: mp-bf16;
+    a frozen LoRA base stays bf16); else the run's own."""
+    from pipeline.core.vocabulary import precision_mode
+
+    if run.client == "loop" or run.layout.shards < 2 or run.layout.sharding == "ddp" \
+            or precision_mode(run.precision).autocast != "bf16":
+        return run.precision
+    return "mp-bf16" if run.adapter is None else "bf16"
 
 
 def closed_form_notes(run: Run) -> list:

@@ -119,23 +119,25 @@ def training_components(parameters, activation_elements_per_token, batch, seq, p
     }
 
 
-def shard_components(components: dict, num_gpus: int = 1, sharding: str | None = None) -> dict:
-    """One GPU's components under `sharding` of `num_gpus` (closed forms; the exact estimator runs
-    the real DDP / FSDP2 code): ddp keeps whole weights, state and gradients plus the gradient
-    buckets allreduce reads (a second copy of the gradients); fsdp shards weights, gradients, state
-    and the step's temporaries N ways; fsdp-no-reshard also keeps the gathered weights from the
-    forward to the backward, beside the activations. FSDP's all-gather buffers of the layers in
-    flight (a layer or two) are left out."""
-    if sharding is None:
+def shard_components(components: dict, sharding: str | None = None, shards: int = 1,
+                     tensor_parallel: int = 1) -> dict:
+    """One GPU's components under a layout (closed forms; the exact estimator runs the real DDP / FSDP2 /
+    tensor-parallel code): weights, gradients, optimizer state and the step's temporaries are split over the
+    `shards` of FSDP2 (hsdp: its shard group; ddp: 1) and the `tensor_parallel` ranks of tensor parallelism (the
+    activations it splits are the formula's, `peak.closed_form_peak`); ddp adds the gradient buckets allreduce
+    reads (a second copy of the gradients); fsdp-no-reshard also keeps the gathered weights from the forward to
+    the backward, beside the activations. FSDP's all-gather buffers of the layers in flight (a layer or two)
+    are left out."""
+    if sharding is None and tensor_parallel == 1:
         return components
     parts = dict(components)
+    split = shards * tensor_parallel
+    for name in ("parameters", "gradients", "optimizer_state", "optimizer_intermediates"):
+        parts[name] = components[name] / split
     if sharding == "ddp":
         parts["gradients"] *= 2
-        return parts
-    for name in ("parameters", "gradients", "optimizer_state", "optimizer_intermediates"):
-        parts[name] = components[name] / num_gpus
     if sharding == "fsdp-no-reshard":
-        parts["activations"] += components["parameters"] * (1 - 1 / num_gpus)
+        parts["activations"] += components["parameters"] / tensor_parallel * (1 - 1 / shards)
     return parts
 
 

@@ -138,6 +138,11 @@ FEATURES = {
 PER_LAYER = ("attention", "attention_output", "mlp", "mlp_gated", "mlp_composite", "experts", "router", "recurrent", "scores",
              "scores_dropout", "mask", "mixer_in", "mixer_conv", "mixer_out", "mixer_keys", "mixer_state", "mixer_chunk",
              "extra_norms", "mlp_squared", "mlp_xielu", "sub_norms", "per_layer_input", "indexer", "qk_norm")
+# The terms tensor parallelism splits across its T GPUs (each rank computes its heads and its slice of the MLP
+# width: `base_model_tp_plan`'s colwise q, k, v, gate, up and rowwise o, down); the residual stream, the norms,
+# the embeddings' output and the logits (gathered) stay whole on every rank.
+TENSOR_PARALLEL_TERMS = ("attention", "attention_output", "mlp", "mlp_gated", "mlp_composite", "experts", "scores",
+                         "scores_dropout", "mlp_squared", "mlp_xielu", "qk_norm")
 KERNELS = {
     "eager": "eager attention: the architecture has no SDPA path (EAGER_ONLY) or eager was asked for",
     "math": "SDPA's math fallback: fp32 with grouped key/value heads and no mask (flash needs 16-bit; the "

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from pipeline.core.vocabulary import ACTIVATION_BYTES, WEIGHT_BYTES, precision_mode
 from pipeline.formulas.components import optimizer_bytes
-from pipeline.formulas.features import (FEATURES, LOSS_BACKWARD_BYTES, PER_LAYER, WORKSPACE_BYTES, attention_kernel,
-                                        autocast_fp32_bytes, feature_values, matmul_parameters)
+from pipeline.formulas.features import (FEATURES, LOSS_BACKWARD_BYTES, PER_LAYER, TENSOR_PARALLEL_TERMS, WORKSPACE_BYTES,
+                                        attention_kernel, autocast_fp32_bytes, feature_values, matmul_parameters)
 from pipeline.formulas.fused_head import head_bytes, liger_head_bytes
 from pipeline.formulas.mixers import ssd_transient_bytes
 
@@ -168,11 +168,13 @@ def fitted_group(peak_fits: dict, precision: str, checkpointing: bool) -> tuple[
 
 def closed_form_peak(peak_fits: dict, facts, parameters, batch: int, seq: int, precision: str, optimizer: str,
                      checkpointing: bool, attention=None, client: str = "loop", completion_share: float = 1.0,
-                     head_trainable: bool = True, liger_kernel: bool = False) -> dict:
+                     head_trainable: bool = True, liger_kernel: bool = False, tensor_parallel: int = 1) -> dict:
     """The formula's peak, its phase and components (bytes), and `notes`; KeyError when the group was not
     fitted. `client` sft: SFTTrainer's fused head in place of the logits (`completion_share` of the
     positions labelled; `head_trainable` False under LoRA); the Trainer with `liger_kernel`: Liger's fused
-    linear cross-entropy in their place (Liger's RMSNorm, RoPE and SwiGLU kernels are not modelled)."""
+    linear cross-entropy in their place (Liger's RMSNorm, RoPE and SwiGLU kernels are not modelled).
+    `tensor_parallel` T: the saved terms that tensor parallelism splits (`features.TENSOR_PARALLEL_TERMS`) count
+    a T-th (the weights' share is the caller's, as FSDP's is)."""
     precision = SAME_TENSORS_AS.get(precision, precision)
     group, note = fitted_group(peak_fits, precision, checkpointing)
     coefficients = peak_fits[group]["coefficients"]
@@ -180,7 +182,8 @@ def closed_form_peak(peak_fits: dict, facts, parameters, batch: int, seq: int, p
     x = saved_design(facts, seq, fitted, checkpointing, known_attention(attention))
     sft = client == "sft"
     fused = sft or (liger_kernel and client != "loop")
-    saved = sum(coefficients.get(t, 0.0) * v for t, v in zip(TERMS, x) if not (fused and t == "vocabulary"))
+    saved = sum(coefficients.get(t, 0.0) * v / (tensor_parallel if t in TENSOR_PARALLEL_TERMS else 1)
+                for t, v in zip(TERMS, x) if not (fused and t == "vocabulary"))
     if note is not None and precision_mode(precision).autocast:
         saved += autocast_fp32_bytes(facts, checkpointing)
     parts = branches(facts, parameters, batch, seq, precision, optimizer, checkpointing, saved)

@@ -115,7 +115,10 @@ class Run:
                    adapter=AdapterSpec.from_row(row), reserve_limit=reserve_limit,
                    variant=cell(row, "variant") or "standard", liger_kernel=bool(cell(row, "liger_kernel") or False),
                    completion_share=1.0 if share is None else float(share),
-                   fresh_process=bool(cell(row, "first_in_process") or False))
+                   fresh_process=bool(cell(row, "first_in_process") or False),
+                   num_gpus=int(cell(row, "num_gpus") or 1), sharding=cell(row, "sharding") or None,
+                   shard_group=None if cell(row, "shard_group") is None else int(cell(row, "shard_group")),
+                   tensor_parallel=int(cell(row, "tensor_parallel") or 1))
 
     def with_batch(self, batch: int) -> Run:
         return replace(self, batch=batch)

@@ -23,7 +23,9 @@ from __future__ import annotations
 import math
 
 from pipeline.formulas.coefficients import reserved_ratio
-from pipeline.formulas.gpus import context_bytes
+from dataclasses import replace
+
+from pipeline.formulas.gpus import context_bytes, nccl_bytes
 from pipeline.core.errors import UserError
 from pipeline.core.vocabulary import SPLITS, check_choice
 from pipeline.estimate.estimators import BlogEstimator, ExactEstimator, FormulaEstimator, HeuristicEstimator
@@ -34,8 +36,12 @@ from pipeline.validate.peaks import error_summary, predicted_or_reason
 
 SETTING_KEY = ("model_id", "precision", "client", "optim", "optimizer", "gradient_accumulation",
                "gradient_checkpointing", "batch_size", "seq_len", "lora_r", "lora_alpha", "lora_targets", "quantization",
-               "liger_kernel", "completion_share", "first_in_process")
-ROW_COLUMNS = (*SETTING_KEY, "model_type", "family", "parameters", "status", "device", "split", "setting")
+               "liger_kernel", "completion_share", "first_in_process", "num_gpus", "sharding", "shard_group",
+               "tensor_parallel")
+ROW_COLUMNS = (*SETTING_KEY, "model_type", "family", "parameters", "status", "device", "split", "setting", "layout",
+               "rank")
+# The columns of the several-GPU tables, and what a single-GPU row means by them.
+LAYOUT_DEFAULTS = {"num_gpus": 1, "sharding": None, "shard_group": None, "tensor_parallel": 1, "rank": 0}
 
 
 def settings_rows(tables: dict):
@@ -59,8 +65,25 @@ def settings_rows(tables: dict):
             rows[column] = None
     for column, value in SETTING_DEFAULTS.items():  # tables from before Liger and the completion share
         rows[column] = rows[column].fillna(value) if column in rows.columns else value
+    for column, value in LAYOUT_DEFAULTS.items():  # single-GPU tables
+        if column not in rows.columns:
+            rows[column] = value
+        elif value is not None:
+            rows[column] = rows[column].fillna(value).astype(int)
     rows["setting"] = [setting_name(row) for row in rows.itertuples(index=False)]
+    rows["layout"] = [layout_name(row) for row in rows.itertuples(index=False)]
     return rows
+
+
+def layout_name(row) -> str:
+    """The validation's layout groups: 1 GPU, ddp, fsdp, fsdp-no-reshard, hsdp, with "+tp" under tensor
+    parallelism (tp alone: "tp")."""
+    if int(row.num_gpus) == 1:
+        return "1 GPU"
+    sharding = _text(row.sharding)
+    if int(row.tensor_parallel) > 1:
+        return f"{sharding}+tp" if sharding else "tp"
+    return sharding
 
 
 def setting_name(row) -> str:
@@ -77,13 +100,21 @@ def setting_name(row) -> str:
 def run_of(row) -> Run:
     """The run of a measured point, with the bytes it could reserve on its GPU (the CUDA total less
     the memory outside PyTorch, as the verdict counts them)."""
-    return Run.from_row(row, reserve_limit=int(row.gpu_total_bytes) - context_bytes(row.precision, None))
+    run = Run.from_row(row)
+    return replace(run, reserve_limit=int(row.gpu_total_bytes) - row_outside_bytes(row, run))
+
+
+def row_outside_bytes(row, run: Run | None = None) -> int:
+    """The memory outside PyTorch of a measured point's process: the CUDA context, and NCCL's on several GPUs."""
+    run = run or Run.from_row(row)
+    return context_bytes(row.precision, None) + nccl_bytes(run.layout.communicators)
 
 
 def setting_key(row) -> tuple:
     """A measured point on its GPU (the replay of the reserved bytes stops at that GPU's edge)."""
     get = row.get if isinstance(row, dict) else lambda name: getattr(row, name, None)
-    return tuple(_text(SETTING_DEFAULTS[name] if name in SETTING_DEFAULTS and _text(get(name)) == "" else get(name))
+    defaults = {**SETTING_DEFAULTS, **LAYOUT_DEFAULTS}
+    return tuple(_text(defaults[name] if name in defaults and _text(get(name)) == "" else get(name))
                  for name in (*SETTING_KEY, "device"))
 
 
@@ -189,7 +220,7 @@ def _record(row, estimator: str, predicted: float, reserved: float, reason) -> d
     ok = row.status == "ok"
     measured = float(row.peak_allocated_bytes) if ok else math.nan
     measured_reserved = float(row.peak_reserved_bytes) if ok else math.nan
-    outside = context_bytes(row.precision, None)
+    outside = row_outside_bytes(row)
     record = {name: getattr(row, name) for name in ROW_COLUMNS}
     record.update(
         estimator=estimator, predicted_peak_bytes=predicted, measured_peak_bytes=measured,
@@ -208,10 +239,10 @@ def summary_table(table):
     import pandas as pd
 
     records = []
-    for (split, setting, client, estimator, device), group in table.groupby(
-            ["split", "setting", "client", "estimator", "device"], sort=False):
-        records.append({"split": split, "setting": setting, "client": client, "estimator": estimator,
-                        "device": device, **error_summary(group)})
+    for (split, setting, client, layout, estimator, device), group in table.groupby(
+            ["split", "setting", "client", "layout", "estimator", "device"], sort=False):
+        records.append({"split": split, "setting": setting, "client": client, "layout": layout,
+                        "estimator": estimator, "device": device, **error_summary(group)})
     return pd.DataFrame.from_records(records)
 
 
@@ -219,12 +250,12 @@ def summary_markdown(summary) -> str:
     def pct(value):
         return "" if value is None or value != value else f"{100 * value:.1f}%"
 
-    lines = ["| split | setting | client | estimator | device | points | median | p90 | worst | reserved median | "
-             "reserved p90 | fit right (reserved) |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| split | setting | client | GPUs | estimator | device | points | median | p90 | worst | reserved median | "
+             "reserved p90 | fit right (reserved) |", "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in summary.itertuples(index=False):
         fit = "" if r.reserved_fit_accuracy is None or r.reserved_fit_accuracy != r.reserved_fit_accuracy else \
             f"{100 * r.reserved_fit_accuracy:.1f}% of {r.reserved_fit_points}"
-        lines.append(f"| {r.split} | {r.setting} | {r.client} | {r.estimator} | {r.device} | {r.points} | "
+        lines.append(f"| {r.split} | {r.setting} | {r.client} | {r.layout} | {r.estimator} | {r.device} | {r.points} | "
                      f"{pct(r.median_abs_relative_error)} | {pct(r.p90_abs_relative_error)} | "
                      f"{pct(r.worst_abs_relative_error)} | {pct(r.reserved_median_abs_relative_error)} | "
                      f"{pct(r.reserved_p90_abs_relative_error)} | {fit} |")

@@ -91,7 +91,7 @@ class Grid:
 
 
 DEFAULT_FLOPS_PER_SECOND = {"fp32": 1.0e14, "bf16": 2.0e14, "amp-bf16": 1.5e14, "amp-fp16": 1.5e14,
-                            "bf16-autocast": 1.8e14}
+                            "bf16-autocast": 1.8e14, "mp-bf16": 1.8e14}
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,9 @@ def meta_fsdp():
     patches = [(module, "_get_device_handle", device_handle) for module in (collectives, param_group, state)]
     # CUDA's streams hand back an event that was recorded; FSDP2 checks for one (HSDP's all-reduce)
     patches.append((torch.cpu.Stream, "record_event", lambda stream: torch.cpu.Event()))
+    # FSDP2 asks the machine's accelerator for its stream in one place (an unshard nobody waited for): the
+    # simulated device's (on a machine with CUDA's build and no GPU, CUDA's would fail to start)
+    patches.append((torch.accelerator, "current_stream", lambda device=None: torch.cpu.current_stream()))
     patches.append((fully_shard_module, "_get_device_from_mesh", lambda mesh: torch.device("meta")))
     patches.append((param_group.FSDPParamGroup, "_validate_no_meta_params", lambda self: None))
     with attributes_set(patches):
