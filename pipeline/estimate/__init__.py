@@ -28,7 +28,7 @@ the device), `search` (the largest batch or sequence that fits), `memo` (one que
 `api` (the public functions), `cli` (the `estimate` command). Importing the package imports neither torch nor transformers.
 """
 
-from pipeline.estimate.api import answer, estimate, max_batch_size, max_seq_len, prepare
+from pipeline.estimate.api import answer, estimate, layouts, max_batch_size, max_seq_len, prepare
 from pipeline.estimate.cli import add_cli, human_summary
 from pipeline.estimate.estimators import (ESTIMATORS, BlogEstimator, ClosedFormEstimator, Estimator, ExactEstimator,
                                           FormulaEstimator, HeuristicEstimator)
@@ -37,7 +37,7 @@ from pipeline.estimate.targets import resolve_target
 from pipeline.training.values import GIB, Estimate, Run, Target
 from pipeline.estimate.verdict import Verdict, judge, gpu_of
 
-__all__ = ["ESTIMATORS", "GIB", "BlogEstimator", "ClosedFormEstimator", "Estimate", "Estimator", "ExactEstimator",
+__all__ = ["layouts", "ESTIMATORS", "GIB", "BlogEstimator", "ClosedFormEstimator", "Estimate", "Estimator", "ExactEstimator",
            "FormulaEstimator", "HeuristicEstimator", "Run", "Target", "Verdict", "add_cli", "answer", "estimate",
            "human_summary", "judge", "largest", "largest_batch", "largest_seq", "max_batch_size", "max_seq_len",
            "prepare", "gpu_of", "resolve_target"]

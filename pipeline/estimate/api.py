@@ -246,3 +246,35 @@ def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=N
     dev = required_device(gpu, gpu_memory_gib)
     estimator, target, run, _ = prepared(_what(options), options, method, coefficients, dev)
     return largest_seq(estimator, target, run, dev)
+
+
+def layouts_answer(estimator, target, run, dev, fewest: bool, num_gpus: int | None) -> dict:
+    """The layouts table (N = 1, 2, 4, ... up to `num_gpus`, default 8) or the fewest GPUs that fit, as JSON."""
+    from pipeline.core.vocabulary import MAX_GPUS
+    from pipeline.estimate.layouts import doubling, fewest_gpus, layouts_table
+
+    base = {"method": estimator.name, "model_id": target.model_id, "parameters": target.parameters,
+            "batch_size": run.batch, "seq_len": run.seq, "precision": run.precision, "client": run.client,
+            "checkpointing": run.checkpointing, "gpu": dev.name, "device_total_bytes": dev.total_bytes}
+    if fewest:
+        found, rows = fewest_gpus(estimator, target, run, dev, num_gpus or MAX_GPUS)
+        fitting = [r for r in rows if r["fits"] and r["num_gpus"] == found]
+        best = max(fitting, key=lambda r: r["headroom_bytes"]) if fitting else None
+        return {**base, "min_gpus": found, "layout": best, "layouts": rows}
+    return {**base, "layouts": layouts_table(estimator, target, run, dev, doubling(num_gpus or 8))}
+
+
+def layouts(model=None, config=None, params=None, *, batch=None, seq=None, precision=None, optimizer=None,
+            checkpointing=None, method="heuristic", coefficients=None, gpu=None, gpu_memory_gib=None,
+            attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
+            gradient_accumulation=None, training_args=None, num_gpus=None, lora_r=None, lora_alpha=None,
+            lora_targets=None, quantization=None, peft_config=None, liger_kernel=None, completion_share=None,
+            sft_config=None, weights_dtype=None, min_gpus=False) -> dict:
+    """The layouts that fit a GPU: a table of layouts (ddp, fsdp, fsdp-no-reshard; the loop also hsdp across nodes
+    and tensor parallelism within one) for N = 1, 2, 4, ... up to `num_gpus` (default 8), each with its per-GPU
+    peak, reserved bytes and verdict; with `min_gpus` the fewest GPUs that fit (doubling up to `num_gpus`, default
+    4096) and the best layout there. The other options are `estimate`'s; the layout is the table's to vary."""
+    options = dict(locals(), num_gpus=None)
+    dev = required_device(gpu, gpu_memory_gib)
+    estimator, target, run, notes = prepared(_what(options), options, method, coefficients, dev)
+    return with_notes(layouts_answer(estimator, target, run, dev, min_gpus, num_gpus), notes)

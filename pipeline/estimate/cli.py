@@ -7,7 +7,7 @@ import json
 
 from pipeline.formulas.gpus import DEVICES
 from pipeline.core.errors import UserError
-from pipeline.estimate.api import answer, prepared, with_notes
+from pipeline.estimate.api import answer, layouts_answer, prepared, with_notes
 from pipeline.estimate.memo import one_question
 from pipeline.estimate.search import largest_batch, largest_seq
 from pipeline.training.values import GIB
@@ -193,22 +193,6 @@ def human_summary(result: dict) -> str:
         if name in result:
             lines.append(f"  {name.replace('_', ' ')}: {result[name]}")
     return "\n".join(lines)
-
-
-def layouts_answer(estimator, target, run, dev, fewest: bool, num_gpus: int | None) -> dict:
-    """The layouts table (N = 1, 2, 4, ... up to `num_gpus`, default 8) or the fewest GPUs that fit, as JSON."""
-    from pipeline.core.vocabulary import MAX_GPUS
-    from pipeline.estimate.layouts import doubling, fewest_gpus, layouts_table
-
-    base = {"method": estimator.name, "model_id": target.model_id, "parameters": target.parameters,
-            "batch_size": run.batch, "seq_len": run.seq, "precision": run.precision, "client": run.client,
-            "checkpointing": run.checkpointing, "gpu": dev.name, "device_total_bytes": dev.total_bytes}
-    if fewest:
-        found, rows = fewest_gpus(estimator, target, run, dev, num_gpus or MAX_GPUS)
-        fitting = [r for r in rows if r["fits"] and r["num_gpus"] == found]
-        best = max(fitting, key=lambda r: r["headroom_bytes"]) if fitting else None
-        return {**base, "min_gpus": found, "layout": best, "layouts": rows}
-    return {**base, "layouts": layouts_table(estimator, target, run, dev, doubling(num_gpus or 8))}
 
 
 def layouts_summary(result: dict) -> str:
