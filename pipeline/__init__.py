@@ -16,10 +16,10 @@ _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
 
 
 def __getattr__(name):
-    """`pipeline.trace` (`pipeline.simulate.trace.trace`: any training code, traced), imported on first use:
-    importing the package imports no torch."""
+    """`pipeline.trace` (`pipeline.simulate.api.trace`: any training code, traced, on one GPU or as rank 0 of N),
+    imported on first use: importing the package imports no torch."""
     if name == "trace":
-        from pipeline.simulate.trace import trace
+        from pipeline.simulate.api import trace
 
         return trace
     raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TINY_GPT2, TINY_LLAMA
+from conftest import REPO, TINY_GPT2, TINY_LLAMA, offline_env
 
 import pipeline
 from pipeline.core.errors import UserError
@@ -238,3 +238,27 @@ def test_a_model_is_built_from_its_id_or_config_file(tmp_path):
         by_id, by_path = t.build("EleutherAI/pythia-14m"), t.build(str(path))
     assert sum(p.numel() for p in by_id.parameters()) == sum(p.numel() for p in by_path.parameters()) > 10**7
     assert t.components["parameters"] >= 2 * 4 * 10**7
+
+
+def test_a_torchtitan_style_trainer_on_several_gpus_equals_real_gloo_ranks(tmp_path):
+    """tests/data/traced_fsdp.py (its own mesh, fully_shard per layer and the root, AdamW): run for real by two gloo
+    processes on the CPU, each under pipeline.trace(device="cpu", world_size=2), rank 0's bytes; traced on meta as
+    rank 0 of 2 in one process: the same bytes, phase by phase and role by role."""
+    import json
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "data"))
+    from traced_fsdp import train
+
+    out = tmp_path / "rank0.json"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(REPO / "tests" / "data" / "traced_fsdp.py"), str(out)],
+                            capture_output=True, text=True, timeout=600, env=offline_env())
+    assert result.returncode == 0, result.stderr[-2000:]
+    real = json.loads(out.read_text())
+    with pipeline.trace(gpu="H100 80GB", world_size=2) as t:
+        train(t, 2)
+    assert t.peak_bytes == real["peak_bytes"] and t.phase_peaks == real["phase_peaks"]
+    assert {k: v for k, v in t.components.items() if v} == {k: v for k, v in real["components"].items() if v}
+    assert t.components["all_gather"] > 0 and t.communicators == 1 and t.fits

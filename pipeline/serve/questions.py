@@ -1,12 +1,14 @@
-"""A question to the server: the keyword arguments of `pipeline.estimate.estimate` (plus
-`"max_batch_size": true` or `"max_seq_len": true`), checked before anything runs, and its answer,
-which is what `python -m pipeline estimate ... --json` prints for the same options.
+"""A question to the server: the keyword arguments of `pipeline.estimate.estimate` (plus one search:
+`"max_batch_size"`, `"max_seq_len"`, `"layouts"` or `"min_gpus"`: true), checked before anything runs, and its
+answer, which is what `python -m pipeline estimate ... --json` prints for the same options (`--max-batch-size`,
+`--max-seq-len`, `--layouts`, `--min-gpus`).
 
 What the server refuses that the command line allows (one `UserError` line each, HTTP 400): a path
-where the library takes a path or a dict (`config`, `training_args`, `peft_config`, `sft_config`: the server reads
-no file of its host, it takes their JSON objects), another coefficient file, an attention
-implementation other than the library's default, sdpa or eager (a named kernel may be fetched
-from the Hub), and questions beyond `LIMITS`.
+where the library takes a path or a dict (`config`, `training_args`, `peft_config`, `sft_config`,
+`accelerate_config`: the server reads no file of its host, it takes their JSON objects), another coefficient
+file, an attention implementation other than the library's default, sdpa or eager (a named kernel may be
+fetched from the Hub), and questions beyond `LIMITS`. `min_gpus` without `num_gpus` searches up to the
+server's limit of GPUs (the command's default is the library's, `vocabulary.MAX_GPUS`).
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ LIMITS = (f"the server refuses a request body over {MAX_BODY_BYTES >> 20} MiB, b
           f"tokens, a GPU over {MAX_GPU_MEMORY_GIB} GiB, more than {MAX_NUM_GPUS} GPUs, gradient accumulation "
           f"over {MAX_GRADIENT_ACCUMULATION} and a LoRA rank over {MAX_LORA_RANK}")
 
-SEARCHES = ("max_batch_size", "max_seq_len")
+SEARCHES = ("max_batch_size", "max_seq_len", "layouts", "min_gpus")
+# The layouts' searches vary the layout themselves: the command drops these of the question (estimate/cli.py).
+LAYOUT_FIELDS = ("sharding", "shard_group", "tensor_parallel")
 # Fields the server will not take from a request, and why.
 REFUSED = {"coefficients": "the server answers with its own coefficient file"}
 # Fields that are JSON objects (the library also takes a path: the server does not).
-OBJECTS = ("config", "training_args", "peft_config", "sft_config")
-INTEGERS = ("batch", "seq", "num_gpus", "gradient_accumulation", "lora_r", "lora_alpha")
+OBJECTS = ("config", "training_args", "peft_config", "sft_config", "accelerate_config")
+INTEGERS = ("batch", "seq", "num_gpus", "shard_group", "tensor_parallel", "gradient_accumulation", "lora_r",
+            "lora_alpha")
 BOOLEANS = ("checkpointing", "expandable_segments", "liger_kernel", *SEARCHES)
 NUMBERS = ("gpu_memory_gib",)
 ATTENTION = (None, "sdpa", "eager")  # the library's default, or one of torch's own kernels
@@ -81,12 +86,31 @@ def check(question) -> dict:
     for name in ("model", "gpu", "precision", "method", "client", "optimizer", "optim", "sharding", "quantization"):
         if name in q and not isinstance(q[name], str):
             raise UserError(f"{name} must be a string, not {q[name]!r}")
-    if q.get("max_batch_size") and q.get("max_seq_len"):
-        raise UserError("ask for one of max_batch_size and max_seq_len, not both")
+    searches = [name for name in SEARCHES if q.get(name)]
+    if len(searches) > 1:
+        raise UserError(f"ask for one of {', '.join(SEARCHES)}, not both {searches[0]} and {searches[1]}")
+    if searches and "gpu" not in q and "gpu_memory_gib" not in q:
+        raise UserError(f"{searches[0]} needs the GPU: gpu (a name) or gpu_memory_gib")
     if "seq" not in q and not q.get("max_seq_len"):
         raise UserError("seq is required (unless max_seq_len)")
+    if q.get("layouts") or q.get("min_gpus"):
+        check_layouts_question(q)
     check_limits(q)
     return q
+
+
+def check_layouts_question(q: dict) -> None:
+    """A field `pipeline.estimate.layouts` does not take is refused (the layout fields are the table's);
+    min_gpus searches up to num_gpus, by default the server's limit."""
+    from pipeline.estimate import layouts
+
+    taken = inspect.signature(layouts).parameters
+    for name in q:
+        if name not in taken and name not in (*LAYOUT_FIELDS, *SEARCHES):
+            raise UserError(f"{name} is not taken with layouts or min_gpus (the table varies the layout): "
+                            "ask without it")
+    if q.get("min_gpus") and "num_gpus" not in q:
+        q["num_gpus"] = MAX_NUM_GPUS  # the server's limit, not the library's
 
 
 def check_limits(q: dict) -> None:
@@ -96,10 +120,14 @@ def check_limits(q: dict) -> None:
     gib = q.get("gpu_memory_gib")
     if isinstance(gib, (int, float)) and not isinstance(gib, bool) and math.isfinite(gib) and gib > MAX_GPU_MEMORY_GIB:
         raise UserError(f"gpu_memory_gib {gib:g} is over the server's limit of {MAX_GPU_MEMORY_GIB} GiB")
-    for name, most in (("num_gpus", MAX_NUM_GPUS), ("gradient_accumulation", MAX_GRADIENT_ACCUMULATION),
-                       ("lora_r", MAX_LORA_RANK)):
+    for name, most in (("num_gpus", MAX_NUM_GPUS), ("shard_group", MAX_NUM_GPUS), ("tensor_parallel", MAX_NUM_GPUS),
+                       ("gradient_accumulation", MAX_GRADIENT_ACCUMULATION), ("lora_r", MAX_LORA_RANK)):
         if q.get(name, 0) > most:
             raise UserError(f"{name} {q[name]} is over the server's limit of {most}")
+    processes = q.get("accelerate_config", {}).get("num_processes")
+    if isinstance(processes, int) and processes > MAX_NUM_GPUS:
+        raise UserError(f"accelerate_config's num_processes {processes} is over the server's limit of {MAX_NUM_GPUS} "
+                        "GPUs")
 
 
 def from_query(params) -> dict:
@@ -145,11 +173,13 @@ def needs_torch(q: dict) -> bool:
 def answer(q: dict) -> dict:
     """The answer to a checked question: what `estimate ... --json` prints for the same options
     (the command's own steps for a search: the largest value found, and the estimate at the given
-    batch or sequence, else at the largest found, at least 1)."""
+    batch or sequence, else at the largest found, at least 1; the layouts table, or the fewest GPUs)."""
     from pipeline.estimate import estimate, max_batch_size, max_seq_len
     from pipeline.estimate.memo import one_question
 
-    kwargs = dict(q)
+    if q.get("layouts") or q.get("min_gpus"):
+        return layouts_answer(q)
+    kwargs = {name: value for name, value in q.items() if name not in ("layouts", "min_gpus")}
     search_batch, search_seq = kwargs.pop("max_batch_size", False), kwargs.pop("max_seq_len", False)
     with one_question():  # the answer at the value found repeats one of the search's simulations
         if search_batch:
@@ -165,6 +195,15 @@ def answer(q: dict) -> dict:
         else:
             result = estimate(**kwargs)
     return result
+
+
+def layouts_answer(q: dict) -> dict:
+    """`pipeline.estimate.layouts` of the question: the table for N = 1, 2, 4, ... up to num_gpus, or the fewest
+    GPUs that fit (`min_gpus`); the layout fields are the table's to vary, as `--layouts` drops them."""
+    from pipeline.estimate import layouts
+
+    kwargs = {name: value for name, value in q.items() if name not in (*LAYOUT_FIELDS, *SEARCHES)}
+    return layouts(**kwargs, min_gpus=bool(q.get("min_gpus")))
 
 
 def to_json(result: dict) -> str:

@@ -7,11 +7,18 @@ thread-safe, so its questions must run one after the other anyway; in its own pr
 the server's event loop and the formula's answers free (a second core), a simulation that runs
 past the time limit can be stopped (the process is killed and a fresh one started), and a crash
 costs one answer, not the server. Questions queue on a lock in the order they came.
+
+The exact layouts table simulates its layouts in processes of its own (`estimate.layouts.layouts_table`): the
+worker is therefore not a daemon (a daemon may not start processes) and leads a process group of its own, so
+that stopping it stops them too.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
+import os
+import signal
 import sys
 import threading
 import time
@@ -38,6 +45,8 @@ def serve_questions(conn, warm: bool) -> None:
     """The worker's loop: a question in, ("ok", answer) or ("error", one line) or ("internal", one line) out."""
     from pipeline.serve.questions import answer
 
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()
     if warm:
         try:
             answer(WARM_UP)
@@ -82,9 +91,9 @@ class Simulator:
             return
         context = multiprocessing.get_context("spawn")  # a clean interpreter: no threads or state copied
         parent, child = context.Pipe()
-        process = context.Process(target=serve_questions, args=(child, self.warm), name="pipeline-simulator",
-                                  daemon=True)
+        process = context.Process(target=serve_questions, args=(child, self.warm), name="pipeline-simulator")
         process.start()
+        atexit.register(self.close)  # before multiprocessing's own exit handler waits for its processes
         child.close()
         self._process, self._conn = process, parent
         if not parent.poll(START_TIMEOUT_S):
@@ -124,13 +133,21 @@ class Simulator:
         self._process = self._conn = None
         if conn is not None:
             conn.close()
-        if process is not None and process.is_alive():
-            process.kill()
+        if process is not None and process.exitcode is None:  # not reaped: its pid is still its own
+            kill_group(process)
             process.join(5)
 
     def close(self) -> None:
         with self._lock:
             self._stop()
+
+
+def kill_group(process) -> None:
+    """Kill the worker and the processes it started (its process group, where the system has them)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (AttributeError, ProcessLookupError, PermissionError):  # no groups, or not yet its own group
+        process.kill()
 
 
 def log(message: str) -> None:

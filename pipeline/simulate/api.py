@@ -23,3 +23,19 @@ def simulate(config, run: Run) -> Estimate:
     if run.client == "dpo":
         return dpo_peak(config, run)
     return loop_peak(config, run)
+
+
+def trace(gpu: str | None = None, *, gpu_memory_gib: float | None = None, device: str = "meta",
+          fresh_process: bool = True, world_size: int = 1):
+    """`pipeline.trace`: any training code run under the simulator (`pipeline.simulate.trace.trace`); with
+    `world_size` N > 1 as rank 0 of N, the code building its own mesh and calling fully_shard /
+    parallelize_module (`pipeline.simulate.distributed.traced`)."""
+    from pipeline.core.vocabulary import MAX_GPUS, check_positive_int
+    from pipeline.simulate.trace import trace as one_gpu
+
+    made = one_gpu(gpu, gpu_memory_gib=gpu_memory_gib, device=device, fresh_process=fresh_process)
+    if check_positive_int("world_size", world_size, MAX_GPUS) == 1:
+        return made
+    from pipeline.simulate.distributed.traced import ShardedTrace
+
+    return ShardedTrace(world_size, device, gpu=made.gpu, warm=made.warm)

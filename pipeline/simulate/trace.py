@@ -19,7 +19,8 @@ For the block, a trace installs what the simulator's own steps run under (`pipel
   a step), `optimizer_intermediates` (made inside `optimizer.step()`) and `activations` (the rest);
   and per phase: `setup` (until the first forward), `forward` (from a batch made by the trace or a
   module's forward), `backward` (from autograd's backward), `optimizer` (from an optimizer's step to
-  the next forward); `torch.cuda.empty_cache()` in the traced code gives cached segments back;
+  the next forward); `torch.cuda.empty_cache()` in the traced code gives cached segments back,
+  `torch.cuda.reset_peak_memory_stats()` starts the peaks again from what is live (after a setup);
 - CUDA's kernel rules (`rules.KernelRules`): the SDPA kernel CUDA picks and what it saves, fused
   dropout, kernels' scratch memory and outputs kept on the host; `torch.autocast("cuda", ...)` in the
   traced code switches on the emulation of CUDA's autocast (torch's own does nothing on meta tensors),
@@ -120,6 +121,7 @@ class Trace:
         self.exits = None
         self.start = None
         self.seconds = None
+        self.communicators = 0  # NCCL communicators of the traced process (several GPUs)
 
     # -- what the traced code calls ---------------------------------------------------------------
     def build(self, config, dtype=None, attn_implementation: str | None = None):
@@ -268,7 +270,8 @@ class Trace:
         saved = {"backward": torch.autograd.backward,
                  "foreach": optimizer_module._get_foreach_kernels_supported_devices,
                  "fused": optimizer_module._get_fused_kernels_supported_devices,
-                 "checkpoint": checkpoint_module.checkpoint, "empty_cache": torch.cuda.empty_cache}
+                 "checkpoint": checkpoint_module.checkpoint, "empty_cache": torch.cuda.empty_cache,
+                 "reset_peak": torch.cuda.reset_peak_memory_stats}
         autocast_class, scaler_class = torch.amp.autocast_mode.autocast, torch.amp.GradScaler
         autocast_methods = {name: getattr(autocast_class, name) for name in ("__init__", "__enter__", "__exit__")}
         scaler_init = scaler_class.__init__
@@ -320,6 +323,12 @@ class Trace:
                 trace.tracker.empty_cache()
             return saved["empty_cache"]()
 
+        def reset_peak(device=None):
+            if not trace.active:
+                return saved["reset_peak"](device)
+            trace.tracker.reset_peaks()
+            return None
+
         def pre_step(optimizer, args, kwargs):
             trace.tracker.start_phase("optimizer", "optimizer_intermediates")
 
@@ -332,6 +341,7 @@ class Trace:
 
         torch.autograd.backward = backward
         torch.cuda.empty_cache = empty_cache
+        torch.cuda.reset_peak_memory_stats = reset_peak
         optimizer_module._get_foreach_kernels_supported_devices = lambda: [*saved["foreach"](), self.device_type]
         optimizer_module._get_fused_kernels_supported_devices = lambda: [*saved["fused"](), self.device_type]
         checkpoint_module.checkpoint = checkpoint
@@ -354,6 +364,7 @@ class Trace:
             optimizer_module._get_foreach_kernels_supported_devices = saved["foreach"]
             torch.autograd.backward = saved["backward"]
             torch.cuda.empty_cache = saved["empty_cache"]
+            torch.cuda.reset_peak_memory_stats = saved["reset_peak"]
 
     def _item_stand_ins(self, replaced: dict) -> dict:
         """`.item()` of a floating-point meta tensor that nothing knows: 0.0, counted (logging asks it);
@@ -429,7 +440,8 @@ class Trace:
         if self.gpu is None:
             return None
         regime = "bf16" if self.rules.half_attention else "fp32"
-        return Verdict(self.gpu, self.reserved_bytes, outside_bytes(self.gpu, regime), self.reserved_expandable_bytes)
+        return Verdict(self.gpu, self.reserved_bytes, outside_bytes(self.gpu, regime, communicators=self.communicators),
+                       self.reserved_expandable_bytes)
 
     @property
     def fits(self) -> bool | None:

@@ -31,17 +31,37 @@ from pipeline.core.patches import attributes_set
 def fake_world(layout):
     """The default process group: rank 0 of `layout.num_gpus` on the fake backend; yields the layout's mesh on
     the CPU (`training.layout.Layout.mesh`)."""
+    with fake_process_group(layout.num_gpus):
+        yield layout.mesh("cpu")
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int):
+    """torch's fake process group of `world_size` ranks as the default group, this process rank 0."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise UserError("the sharded simulation needs a process without a process group of its own")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.num_gpus)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield layout.mesh("cpu")
+        yield
     finally:
         dist.destroy_process_group()
         forget_meshes()
+
+
+@contextlib.contextmanager
+def started_by_the_world():
+    """What a trainer script asks of its launcher, answered as done in a traced block: `dist.init_process_group`
+    (the fake group is the default one already) and `torch.cuda.set_device` (the simulated GPU is the device)."""
+    import torch
+    import torch.distributed as dist
+
+    patches = [(dist, "init_process_group", lambda *args, **kwargs: None),
+               (torch.cuda, "set_device", lambda device: None)]
+    with attributes_set(patches):
+        yield
 
 
 def forget_meshes() -> None:
