@@ -1,11 +1,12 @@
 """The accuracy the page quotes under an answer is the measured accuracy of the setting asked (issue 26):
-`pipeline.serve.catalogue.setting_accuracy` looks up the client, adapters, precision, Liger and GPUs in the
-settings' validation (results/settings_validation.parquet), held-out points first, and says plainly when no
-measured point matches. Its figures are checked against the committed summary (results/settings_validation.md)
-where one of its rows is exactly the setting."""
+`pipeline.serve.catalogue.setting_accuracy` looks up the client, adapters, precision, Liger and the layout of the
+GPUs in the settings' validation (results/settings_validation.parquet), held-out points first, and says plainly
+when no measured point matches. Its figures are checked against the committed summary
+(results/settings_validation.md) where one of its rows is exactly the setting."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from conftest import REPO
@@ -17,15 +18,23 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 def summary_rows() -> dict:
-    """results/settings_validation.md as {(split, setting, client, estimator, device): row}."""
+    """results/settings_validation.md as {(split, setting, client, GPUs, estimator, device): row} (a summary from
+    before several GPUs, without the GPUs column, is all "1 GPU")."""
     rows = {}
     for line in (REPO / "results" / "settings_validation.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 12 and cells[0] in ("tuned", "held-out"):
-            split, setting, client, estimator, device, points, median, p90, worst, _, _, fit = cells
-            rows[split, setting, client, estimator, device] = {"points": int(points), "median": median, "p90": p90,
-                                                               "worst": worst, "fit": fit}
+        if len(cells) == 12:
+            cells.insert(3, "1 GPU")
+        if len(cells) == 13 and cells[0] in ("tuned", "held-out") and cells[6] != "0":
+            split, setting, client, gpus, estimator, device, points, median, p90, worst, _, _, fit = cells
+            rows[split, setting, client, gpus, estimator, device] = {"points": int(points), "median": median,
+                                                                     "p90": p90, "worst": worst, "fit": fit}
     return rows
+
+
+def several_gpu_rows() -> bool:
+    table = pd.read_parquet(REPO / "results" / "settings_validation.parquet", columns=None)
+    return "layout" in table.columns and (table["layout"] != "1 GPU").any()
 
 
 def as_summary(found: dict) -> dict:
@@ -41,14 +50,36 @@ def as_summary(found: dict) -> dict:
     ({"client": "sft", "precision": "bf16-autocast", "liger_kernel": True}, "full+liger, bf16-autocast"),
     ({"client": "dpo", "precision": "bf16-autocast"}, "full, bf16-autocast"),
     ({"client": "trainer", "precision": "bf16-autocast", "lora_r": 8}, "lora, bf16-autocast"),
-], ids=["sft-qlora", "sft-liger", "dpo", "trainer-lora"])
+    # measured on several GPUs too: one GPU's question quotes the 1 GPU rows only
+    ({"client": "sft", "precision": "bf16-autocast"}, "full, bf16-autocast"),
+], ids=["sft-qlora", "sft-liger", "dpo", "trainer-lora", "sft-full"])
 def test_a_settings_figures_are_its_row_of_the_committed_summary(words, setting):
     found = setting_accuracy(words)
     summary = summary_rows()
     assert found["methods"] and found["missing"] is None
     for method, figures in found["methods"].items():
-        assert figures["devices"] == [H100]
-        assert as_summary(figures) == summary[figures["split"], setting, words["client"], method, H100]
+        assert figures["devices"] == [H100] and figures["gpu_counts"] == [1]
+        assert as_summary(figures) == summary[figures["split"], setting, words["client"], "1 GPU", method, H100]
+
+
+@pytest.mark.skipif(not several_gpu_rows(), reason="results/settings_validation.parquet holds no several-GPU rows yet")
+@pytest.mark.parametrize("words, setting, layout", [
+    ({"client": "sft", "precision": "bf16-autocast", "num_gpus": 2, "sharding": "fsdp"}, "full, bf16-autocast", "fsdp"),
+    ({"client": "trainer", "precision": "bf16-autocast", "num_gpus": 2, "sharding": "ddp"}, "full, bf16-autocast",
+     "ddp"),
+    ({"precision": "bf16", "num_gpus": 4, "sharding": "hsdp"}, "full", "hsdp"),
+    ({"precision": "bf16", "num_gpus": 4, "sharding": "fsdp", "tensor_parallel": 2}, "full", "fsdp+tp"),
+], ids=["sft-fsdp", "trainer-ddp", "loop-hsdp", "loop-fsdp-tp"])
+def test_several_gpus_quote_their_layouts_rows_of_the_committed_summary(words, setting, layout):
+    found = setting_accuracy(words)
+    summary = summary_rows()
+    assert found["methods"]["exact"] and found["missing"] is None
+    assert found["label"].endswith(f"{words['num_gpus']} GPUs, {layout}")
+    for method, figures in found["methods"].items():
+        (device,) = figures["devices"]
+        assert as_summary(figures) == summary[figures["split"], setting, words.get("client", "loop"), layout, method,
+                                              device]
+        assert 1 not in figures["gpu_counts"]
 
 
 def test_sft_with_qlora_quotes_its_held_out_points_not_the_standard_loops():
@@ -67,7 +98,7 @@ def test_held_out_points_first_else_the_tuned_ones():
     trainer = setting_accuracy({"client": "trainer", "precision": "bf16"})
     assert {m["split"] for m in trainer["methods"].values()} == {"tuned"}
     assert trainer["methods"]["exact"]["devices"] == [H100, "NVIDIA H200"]
-    assert trainer["methods"]["exact"]["points"] == 65
+    assert trainer["methods"]["exact"]["points"] == 65 and trainer["methods"]["exact"]["gpu_counts"] == [1]
     loop = setting_accuracy({"precision": "bf16"})
     assert {m["split"] for m in loop["methods"].values()} == {"held-out"}
     assert loop["label"] == "the standard loop, full fine-tuning, bf16, one GPU"
@@ -86,15 +117,19 @@ def test_dpo_has_the_exact_methods_figures_only():
     assert list(found["methods"]) == ["exact"] and found["methods"]["exact"]["points"] == 6
 
 
-@pytest.mark.parametrize("words, says", [
-    ({"precision": "bf16", "num_gpus": 4}, "several GPUs are simulated"),
-    ({"client": "sft", "precision": "bf16", "lora_r": 16, "quantization": "int8"}, "is measured on a GPU"),
-    ({"client": "dpo", "precision": "fp32"}, "is measured on a GPU"),
+@pytest.mark.parametrize("words, label", [
+    ({"client": "trainer", "precision": "fp32", "num_gpus": 16, "sharding": "hsdp"},
+     "Trainer, full fine-tuning, fp32, 16 GPUs, hsdp"),
+    ({"precision": "bf16", "num_gpus": 8, "sharding": "hsdp", "tensor_parallel": 2},
+     "the standard loop, full fine-tuning, bf16, 8 GPUs, hsdp+tp"),
+    ({"client": "sft", "precision": "bf16", "lora_r": 16, "quantization": "int8"},
+     "SFTTrainer, QLoRA (int8), bf16, one GPU"),
+    ({"client": "dpo", "precision": "fp32"}, "DPOTrainer, full fine-tuning, fp32, one GPU"),
 ])
-def test_a_setting_never_measured_says_so(words, says):
+def test_a_setting_never_measured_says_so(words, label):
     found = setting_accuracy(words)
-    assert found["methods"] == {}
-    assert says in found["missing"] and found["missing"].count("\n") == 0
+    assert found["methods"] == {} and found["label"] == label
+    assert found["missing"] == f"no point of this setting ({label}) is measured on a GPU: its accuracy is unknown"
 
 
 @pytest.mark.parametrize("words, named", [
@@ -102,6 +137,9 @@ def test_a_setting_never_measured_says_so(words, says):
     ({"precision": "bf17"}, "precision"),
     ({"client": "sft"}, "precision"),
     ({"precision": "bf16", "num_gpus": 0}, "num_gpus"),
+    ({"precision": "bf16", "num_gpus": 4}, "sharding"),
+    ({"precision": "bf16", "num_gpus": 4, "sharding": "zero3"}, "sharding"),
+    ({"precision": "bf16", "num_gpus": 4, "sharding": "fsdp", "tensor_parallel": 0}, "tensor_parallel"),
     ({"precision": "bf16", "lora_r": "16"}, "lora_r"),
     ({"precision": "bf16", "liger_kernel": "yes"}, "liger_kernel"),
     ({"precision": "bf16", "quantization": "nf3"}, "quantization"),

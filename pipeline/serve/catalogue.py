@@ -1,6 +1,6 @@
 """What the page offers and labels: the registry's models, the GPU catalogue, each method's measured
 accuracy on the standard step, and on the setting a question asks (client, adapters, precision, Liger,
-GPUs: `setting_accuracy`). Read once when the server starts or first asked; all pure data, no torch.
+layout of its GPUs: `setting_accuracy`). Read once when the server starts or first asked; all pure data, no torch.
 
 Imports that may move with the package's layout: the registry (`pipeline.inputs.registry.load_registry`,
 `pipeline.core.paths.DEFAULT_REGISTRY`), the GPU catalogue (`pipeline.formulas.gpus.DEVICES`), the stage
@@ -97,16 +97,19 @@ def accuracy() -> dict:
 
 # The words of a setting, as `estimate` names them (the answer's own fields), and their defaults.
 SETTING_WORDS = {"client": "loop", "precision": None, "lora_r": None, "quantization": None, "liger_kernel": False,
-                 "num_gpus": 1}
+                 "num_gpus": 1, "sharding": None, "tensor_parallel": 1}
 CLIENT_NAMES = {"loop": "the standard loop", "trainer": "Trainer", "sft": "SFTTrainer", "dpo": "DPOTrainer"}
 SPLIT_ORDER = ("held-out", "tuned")  # rows no estimator was tuned on first
-SEVERAL_GPUS = ("several GPUs are simulated (exact against a real multi-process run on the CPU) but not yet "
-                "measured on GPUs: no measured accuracy for this setting")
+SINGLE_GPU = "1 GPU"  # the validation's layout of one GPU (tables from before several GPUs have no layout column)
 
 
 def setting_of(words: dict) -> dict:
-    """The setting a question asks, from estimate's words (one-line UserError for a bad one)."""
-    from pipeline.core.vocabulary import CLIENTS, PRECISIONS, QUANTIZATIONS, check_choice
+    """The setting a question asks, from estimate's words (one-line UserError for a bad one); its layout is the
+    validation's group (`validate.settings.layout_name`: 1 GPU, ddp, fsdp, fsdp-no-reshard, hsdp, fsdp+tp, tp)."""
+    from types import SimpleNamespace
+
+    from pipeline.core.vocabulary import CLIENTS, PRECISIONS, QUANTIZATIONS, SHARDINGS, check_choice
+    from pipeline.validate.settings import layout_name
 
     unknown = sorted(set(words) - set(SETTING_WORDS))
     if unknown:
@@ -116,42 +119,45 @@ def setting_of(words: dict) -> dict:
         raise UserError("precision is required (the answer's precision, bf16-autocast included)")
     check_choice("client", setting["client"], CLIENTS)
     check_choice("precision", setting["precision"], PRECISIONS)
-    for name in ("lora_r", "num_gpus"):
+    for name in ("lora_r", "num_gpus", "tensor_parallel"):
         value = setting[name]
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise UserError(f"{name} must be a positive integer, not {value!r}")
     if setting["quantization"] is not None:
         check_choice("quantization", setting["quantization"], QUANTIZATIONS)
+    if setting["sharding"] is not None:
+        check_choice("sharding", setting["sharding"], SHARDINGS)
     if not isinstance(setting["liger_kernel"], bool):
         raise UserError(f"liger_kernel must be true or false, not {setting['liger_kernel']!r}")
+    if setting["num_gpus"] > 1 and setting["sharding"] is None and setting["tensor_parallel"] == 1:
+        raise UserError(f"{setting['num_gpus']} GPUs need a sharding ({', '.join(SHARDINGS)}) or tensor_parallel")
     adapters = "qlora" if setting["quantization"] else "lora" if setting["lora_r"] else "full"
     return {"client": setting["client"], "adapters": adapters, "quantization": setting["quantization"],
-            "precision": setting["precision"], "liger_kernel": setting["liger_kernel"], "num_gpus": setting["num_gpus"]}
+            "precision": setting["precision"], "liger_kernel": setting["liger_kernel"], "num_gpus": setting["num_gpus"],
+            "layout": layout_name(SimpleNamespace(**{k: setting[k] for k in ("num_gpus", "sharding", "tensor_parallel")}))}
 
 
 def setting_label(setting: dict) -> str:
-    """The setting in words: "SFTTrainer, QLoRA (nf4), bf16-autocast, one GPU"."""
+    """The setting in words: "SFTTrainer, QLoRA (nf4), bf16-autocast, one GPU" (several: "4 GPUs, fsdp")."""
     adapters = {"full": "full fine-tuning", "lora": "LoRA", "qlora": f"QLoRA ({setting['quantization']})"}
     parts = [CLIENT_NAMES[setting["client"]], adapters[setting["adapters"]], setting["precision"]]
     if setting["liger_kernel"]:
         parts.append("Liger")
-    parts.append("one GPU" if setting["num_gpus"] == 1 else f"{setting['num_gpus']} GPUs")
+    parts.append("one GPU" if setting["num_gpus"] == 1 else f"{setting['num_gpus']} GPUs, {setting['layout']}")
     return ", ".join(parts)
 
 
 def setting_accuracy(words: dict) -> dict:
     """Per method, the measured |error| of the peak (median, 90th percentile, worst) and the fit verdict's
-    accuracy on the measured points of the setting the words name (`setting_of`), from the settings'
-    validation (results/settings_validation.parquet): its held-out points where the method has any, else
-    its tuned ones (`split` says which). `missing` says why there is none (several GPUs; a setting never
-    measured)."""
+    accuracy on the measured points of the setting the words name (`setting_of`: its layout too), from the
+    settings' validation (results/settings_validation.parquet): its held-out points where the method has any, else
+    its tuned ones (`split` says which; `gpu_counts` the numbers of GPUs they ran on). `missing` says why there is
+    none (a setting or layout never measured)."""
     from pipeline.core.paths import REPO_ROOT, SETTINGS_VALIDATION
 
     setting = setting_of(words)
     found = {"setting": setting, "label": setting_label(setting),
              "source": str(SETTINGS_VALIDATION.relative_to(REPO_ROOT)), "methods": {}, "missing": None}
-    if setting["num_gpus"] > 1:
-        return {**found, "missing": SEVERAL_GPUS}
     rows = _matching_rows(setting)
     for method in _methods():
         summary = _method_accuracy(rows[rows["estimator"] == method])
@@ -183,6 +189,10 @@ def _matching_rows(setting: dict):
             & (adapters == setting["adapters"]) & (table["liger_kernel"] == setting["liger_kernel"]))
     if setting["quantization"]:
         same &= table["quantization"] == setting["quantization"]
+    if "layout" in table.columns:
+        same &= table["layout"] == setting["layout"]
+    elif setting["layout"] != SINGLE_GPU:  # a table of one GPU's points
+        same &= False
     return table[same]
 
 
@@ -197,5 +207,6 @@ def _method_accuracy(rows) -> dict | None:
             return {"split": split, "points": summary["points"], "median": summary["median_abs_relative_error"],
                     "p90": summary["p90_abs_relative_error"], "worst": summary["worst_abs_relative_error"],
                     "fit_accuracy": summary["reserved_fit_accuracy"], "fit_points": summary["reserved_fit_points"],
-                    "devices": sorted(group["device"].unique().tolist())}
+                    "devices": sorted(group["device"].unique().tolist()),
+                    "gpu_counts": sorted(int(n) for n in group["num_gpus"].unique()) if "num_gpus" in group else [1]}
     return None
