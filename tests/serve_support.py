@@ -22,10 +22,13 @@ FLAGS = {"batch": "--batch", "seq": "--seq", "precision": "--precision", "weight
          "optimizer": "--optimizer", "optim": "--optim", "gradient_accumulation": "--gradient-accumulation",
          "checkpointing": "--checkpointing", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
          "lora_targets": "--lora-targets", "quantization": "--quantization", "num_gpus": "--num-gpus",
-         "sharding": "--sharding", "gpu": "--gpu", "gpu_memory_gib": "--gpu-memory",
+         "sharding": "--sharding", "shard_group": "--shard-group", "tensor_parallel": "--tensor-parallel",
+         "accelerate_config": "--accelerate-config", "gpu": "--gpu", "gpu_memory_gib": "--gpu-memory",
          "expandable_segments": "--expandable-segments", "method": "--method", "max_batch_size": "--max-batch-size",
-         "max_seq_len": "--max-seq-len", "attn_implementation": "--attn-implementation",
-         "liger_kernel": "--liger-kernel"}
+         "max_seq_len": "--max-seq-len", "layouts": "--layouts", "min_gpus": "--min-gpus",
+         "attn_implementation": "--attn-implementation", "liger_kernel": "--liger-kernel"}
+# The JSON objects a question holds and the command reads from files.
+FILES = {"config": "--config", "accelerate_config": "--accelerate-config"}
 
 # A small llama of the pasted-config tests: quick to simulate, and named (the answer's model_id).
 TINY_CONFIG = {"_name_or_path": "tests/tiny-llama", "model_type": "llama", "vocab_size": 1024, "hidden_size": 128,
@@ -85,15 +88,17 @@ def ask(url: str, question: dict) -> tuple:
     return request(f"{url}/api/estimate", json.dumps(question).encode())
 
 
-def cli_args(question: dict, config_path: Path | None = None) -> list[str]:
-    """The `estimate` command's arguments for a question (a pasted config: written to `config_path`)."""
+def cli_args(question: dict, folder: Path | None = None) -> list[str]:
+    """The `estimate` command's arguments for a question (a pasted config or accelerate config: written to
+    `folder`)."""
     args = ["estimate"]
     for name, value in question.items():
         if name == "model":
             args += ["--model", value]
-        elif name == "config":
-            config_path.write_text(json.dumps(value))
-            args += ["--config", str(config_path)]
+        elif name in FILES:
+            path = folder / f"{name}.json"
+            path.write_text(json.dumps(value))
+            args += [FILES[name], str(path)]
         elif value is True:
             args.append(FLAGS[name])
         elif value is not False and value is not None:
@@ -104,5 +109,5 @@ def cli_args(question: dict, config_path: Path | None = None) -> list[str]:
 def cli_json(question: dict) -> dict:
     """What `python -m pipeline estimate ... --json` prints for the question."""
     with tempfile.TemporaryDirectory() as folder:
-        result = pipeline(*cli_args(question, Path(folder) / "config.json"), cwd=REPO)
+        result = pipeline(*cli_args(question, Path(folder)), cwd=REPO)
     return json.loads(result.stdout)

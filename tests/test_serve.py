@@ -1,7 +1,7 @@
 """`python -m pipeline serve` against a real uvicorn server on localhost: its answers equal
-`python -m pipeline estimate ... --json` for the same question (formula and exact, searches
-included), bad input is HTTP 400 with one line, the registry and the GPU catalogue are listed,
-concurrent questions are not mixed, and the page loads nothing from elsewhere."""
+`python -m pipeline estimate ... --json` for the same question (formula and exact, searches, several GPUs,
+the layouts table and the fewest GPUs included), bad input is HTTP 400 with one line, the registry and the GPU
+catalogue are listed, concurrent questions are not mixed, and the page loads nothing from elsewhere."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,16 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 SMALL = "HuggingFaceTB/SmolLM2-135M"
+GIB = 2**30
+# An accelerate config as `accelerate config` writes it (its JSON object: the server reads no paths).
+ACCELERATE_FSDP = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 4,
+                   "mixed_precision": "bf16", "num_machines": 1, "machine_rank": 0, "use_cpu": False,
+                   "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": True,
+                                   "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                   "fsdp_state_dict_type": "SHARDED_STATE_DICT"}}
+# A 13B model in bf16 on H100s: its weights, gradients and AdamW state alone (97 GiB) are over one GPU.
+LLAMA_13B = {"model": "meta-llama/Llama-2-13b-hf", "batch": 2, "seq": 2048, "precision": "bf16",
+             "checkpointing": True, "gpu": "H100 80GB", "method": "formula"}
 
 FORMULA_QUESTIONS = [
     {"model": SMALL, "batch": 4, "seq": 1024, "precision": "bf16", "gpu": "RTX 4090"},
@@ -30,6 +42,14 @@ FORMULA_QUESTIONS = [
      "quantization": "nf4", "gpu": "RTX 4090"},
     {"model": "meta-llama/Llama-3.1-8B", "batch": 1, "seq": 2048, "precision": "bf16", "num_gpus": 4,
      "sharding": "fsdp", "gpu": "H100 80GB"},
+    {"model": "meta-llama/Llama-3.1-8B", "batch": 1, "seq": 4096, "precision": "bf16", "num_gpus": 32,
+     "sharding": "hsdp", "shard_group": 8, "tensor_parallel": 2, "gpu": "H100 80GB"},
+    {"model": SMALL, "batch": 4, "seq": 1024, "client": "trainer", "weights_dtype": "fp32",
+     "accelerate_config": ACCELERATE_FSDP, "gpu": "T4"},
+    {"model": SMALL, "batch": 4, "seq": 1024, "weights_dtype": "bf16", "client": "sft", "num_gpus": 2,
+     "sharding": "ddp", "gpu": "L4"},
+    {**LLAMA_13B, "layouts": True, "num_gpus": 16},
+    {**LLAMA_13B, "min_gpus": True, "num_gpus": 64},
     {"model": SMALL, "seq": 2048, "precision": "bf16", "gpu_memory_gib": 23.5, "max_batch_size": True},
     {"model": SMALL, "batch": 2, "precision": "fp32", "gpu": "T4", "max_seq_len": True},
     {"config": TINY_CONFIG, "batch": 2, "seq": 128, "precision": "bf16", "gpu": "T4"},
@@ -42,6 +62,8 @@ EXACT_QUESTIONS = [
     {"model": SMALL, "batch": 2, "seq": 256, "precision": "bf16", "gpu": "RTX 4090"},
     {"config": TINY_CONFIG, "batch": 2, "seq": 128, "precision": "bf16", "lora_r": 8, "gpu": "T4"},
     {"config": TINY_CONFIG, "seq": 128, "precision": "bf16", "gpu_memory_gib": 0.5, "max_batch_size": True},
+    # the layouts' simulations run in processes the simulator's worker starts
+    {"config": TINY_CONFIG, "batch": 2, "seq": 128, "precision": "bf16", "gpu": "T4", "layouts": True, "num_gpus": 2},
 ]
 
 
@@ -57,17 +79,55 @@ def answer_of(server, question):
     return body
 
 
-@pytest.mark.parametrize("question", FORMULA_QUESTIONS, ids=lambda q: ",".join(f"{k}" for k in q))
+@pytest.mark.parametrize("question", FORMULA_QUESTIONS, ids=lambda q: ",".join(f"{k}" for k in q if k != "method"))
 def test_formula_answer_is_the_commands(server, question):
     question = {**question, "method": "formula"}
     assert answer_of(server, question) == cli_json(question)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("question", EXACT_QUESTIONS, ids=["registry", "config-lora", "config-max-batch"])
+@pytest.mark.parametrize("question", EXACT_QUESTIONS, ids=["registry", "config-lora", "config-max-batch",
+                                                           "config-layouts"])
 def test_exact_answer_is_the_commands(server, question):
     question = {**question, "method": "exact"}
     assert answer_of(server, question) == cli_json(question)
+
+
+def test_the_layouts_of_a_13b_model(server):
+    """The formula's table on H100s: ddp keeps the whole model on every GPU and fits on none, fsdp fits on two;
+    the layouts asked of the question (its sharding) are the table's to vary, as --layouts drops them."""
+    question = {**LLAMA_13B, "layouts": True, "num_gpus": 16}
+    found = answer_of(server, question)
+    assert found == answer_of(server, {**question, "sharding": "hsdp", "shard_group": 8, "tensor_parallel": 2})
+    rows = {row["layout"]: row for row in found["layouts"]}
+    assert sorted({row["num_gpus"] for row in found["layouts"]}) == [1, 2, 4, 8, 16]
+    for ddp in ("1 GPU", "2 GPUs, ddp", "16 GPUs, ddp"):
+        assert rows[ddp]["fits"] is False and rows[ddp]["peak_bytes"] is None
+        assert rows[ddp]["reason"] == "weights, gradients and optimizer state alone take 97.0 GiB a GPU"
+    fsdp = rows["2 GPUs, fsdp"]
+    assert fsdp["fits"] is True and fsdp["peak_bytes"] == 65147479040
+    assert round(fsdp["headroom_bytes"] / GIB, 2) == 12.78
+    assert rows["16 GPUs, hsdp (2 replicas x 8 shards)"]["peak_bytes"] == rows["8 GPUs, fsdp"]["peak_bytes"]
+    assert len(found["layouts"]) == 23
+
+
+def test_the_fewest_gpus_of_a_13b_model(server):
+    """Two H100s under fsdp, the command's answer (which searches up to its own limit: the same rows, found at 2);
+    without num_gpus the server searches up to its limit of GPUs."""
+    question = {key: value for key, value in LLAMA_13B.items()}
+    found = answer_of(server, {**question, "min_gpus": True})
+    assert found == cli_json({**question, "min_gpus": True}) == cli_json({**question, "min_gpus": True,
+                                                                         "num_gpus": 1024})
+    assert found["min_gpus"] == 2 and found["layout"]["layout"] == "2 GPUs, fsdp"
+    assert [row["num_gpus"] for row in found["layouts"]] == [1, 2, 2, 2, 2]
+
+
+def test_no_layout_fits_up_to_the_servers_limit(server):
+    """A million tokens of a 151k vocabulary per rank: no layout fits a T4 up to the server's 1,024 GPUs."""
+    found = answer_of(server, {"model": "Qwen/Qwen2.5-0.5B", "batch": 256, "seq": 4096, "precision": "bf16",
+                               "gpu": "T4", "method": "formula", "min_gpus": True})
+    assert found["min_gpus"] == 0 and found["layout"] is None
+    assert found["layouts"][-1]["num_gpus"] == 1024 and not any(row["fits"] for row in found["layouts"])
 
 
 def test_the_text_is_the_commands_json(server):
@@ -114,6 +174,23 @@ BAD = [
     ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "client": "sft", "method": "formula",
       "liger_kernel": "yes"}, "liger_kernel must be true or false"),
     ([1, 2, 3], "JSON object"),
+    # several GPUs and the layouts
+    ({**LLAMA_13B, "gpu": None, "layouts": True}, "layouts needs the GPU"),
+    ({**LLAMA_13B, "gpu": None, "min_gpus": True, "method": "exact"}, "min_gpus needs the GPU"),
+    ({**LLAMA_13B, "layouts": True, "min_gpus": True}, "not both layouts and min_gpus"),
+    ({**LLAMA_13B, "layouts": True, "max_batch_size": True}, "not both max_batch_size and layouts"),
+    ({**LLAMA_13B, "layouts": "yes"}, "layouts must be true or false"),
+    ({**LLAMA_13B, "num_gpus": 16, "sharding": "hsdp", "shard_group": 0}, "shard_group must be a positive integer"),
+    ({**LLAMA_13B, "num_gpus": 16, "sharding": "fsdp", "tensor_parallel": "2"}, "tensor_parallel must be a positive"),
+    ({**LLAMA_13B, "num_gpus": 16, "sharding": "fsdp", "tensor_parallel": 2048}, "tensor_parallel 2048 is over the"),
+    ({**LLAMA_13B, "num_gpus": 16, "sharding": "hsdp"}, "needs a shard_group"),
+    ({**LLAMA_13B, "num_gpus": 16, "sharding": "hsdp", "shard_group": 3}, "shard_group 3 does not divide"),
+    ({**LLAMA_13B, "num_gpus": 6, "sharding": "fsdp", "tensor_parallel": 4}, "tensor_parallel 4 does not divide"),
+    ({**LLAMA_13B, "accelerate_config": "/etc/passwd"}, "accelerate_config must be a JSON object"),
+    ({**LLAMA_13B, "accelerate_config": {**ACCELERATE_FSDP, "num_processes": 5000}}, "num_processes 5000 is over"),
+    ({**LLAMA_13B, "accelerate_config": {**ACCELERATE_FSDP, "fsdp_colour": 1}}, "unknown accelerate config key"),
+    ({**LLAMA_13B, "accelerate_config": ACCELERATE_FSDP, "layouts": True},
+     "accelerate_config is not taken with layouts or min_gpus"),
 ]
 
 
@@ -205,10 +282,14 @@ def test_the_accuracy_of_a_setting(server):
     assert found == json.loads(json.dumps(setting_accuracy(
         {"client": "sft", "precision": "bf16-autocast", "lora_r": 16, "quantization": "nf4"})))
     assert found["methods"]["exact"]["split"] == "held-out" and found["methods"]["exact"]["points"] == 4
-    status, found, _ = request(f"{server}/api/setting-accuracy?precision=bf16&num_gpus=8")
-    assert status == 200 and found["methods"] == {} and "several GPUs" in found["missing"]
+    status, found, _ = request(f"{server}/api/setting-accuracy?client=trainer&precision=fp32&num_gpus=8&sharding=hsdp"
+                               "&tensor_parallel=2")
+    assert status == 200 and found["methods"] == {}
+    assert found["missing"] == ("no point of this setting (Trainer, full fine-tuning, fp32, 8 GPUs, hsdp+tp) is "
+                                "measured on a GPU: its accuracy is unknown")
     for query, named in (("client=banana&precision=bf16", "client"), ("precision=bf16&lora_r=x", "lora_r"),
-                         ("precision=bf16&seq=4", "seq")):
+                         ("precision=bf16&seq=4", "seq"), ("precision=bf16&num_gpus=8", "sharding"),
+                         ("precision=bf16&num_gpus=8&sharding=fsdp&tensor_parallel=two", "tensor_parallel")):
         status, body, _ = request(f"{server}/api/setting-accuracy?{query}")
         assert status == 400 and list(body) == ["error"] and named in body["error"]
 
@@ -279,5 +360,56 @@ def test_a_simulation_past_the_limit_is_stopped_and_the_next_one_runs():
         assert simulator.ask(question)["method"] == "exact"
         with pytest.raises(UserError, match="precision"):
             simulator.ask({**question, "precision": "fp8"})
+    finally:
+        simulator.close()
+
+
+def live_processes_of_group(group: int) -> list[int]:
+    """The processes of a process group that still run (zombies left to init are dead: they hold no memory)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the processes of /proc")
+def test_a_layouts_table_past_the_limit_stops_the_processes_it_started():
+    """The exact layouts table simulates its layouts in processes the worker starts: stopped past the time limit,
+    the worker takes them with it (its process group), and the next question runs."""
+    from pipeline.serve.worker import SimulationTimeout, Simulator
+
+    small = {"config": TINY_CONFIG, "batch": 1, "seq": 64, "precision": "bf16", "method": "exact", "gpu": "T4"}
+    simulator = Simulator(timeout_s=300, warm=False)
+    try:
+        simulator.ask(small)
+        worker = simulator._process.pid
+        simulator.timeout_s = 20
+        seen = []
+        watching = threading.Event()
+
+        def watch():
+            while not watching.is_set():
+                seen.append(len(live_processes_of_group(worker)))
+                time.sleep(0.2)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            with pytest.raises(SimulationTimeout):
+                simulator.ask({"model": "Qwen/Qwen2.5-0.5B", "batch": 2, "seq": 512, "precision": "bf16",
+                               "method": "exact", "gpu": "T4", "layouts": True, "num_gpus": 8})
+        finally:
+            watching.set()
+            watcher.join()
+        assert max(seen) >= 3  # the worker and its simulations' processes
+        assert live_processes_of_group(worker) == []
+        simulator.timeout_s = 300
+        assert simulator.ask(small)["method"] == "exact"
     finally:
         simulator.close()

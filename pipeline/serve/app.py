@@ -1,13 +1,15 @@
 """The Starlette application: the page (`GET /`, its files under `/static/`) and the JSON API.
 
 - `POST /api/estimate`: the keyword arguments of `pipeline.estimate.estimate` as a JSON object
-  (plus `"max_batch_size": true` or `"max_seq_len": true`); the answer is what
-  `python -m pipeline estimate ... --json` prints for the same options. `GET /api/estimate?model=...`
-  takes the same fields as a query (not the JSON-object ones): a link to an answer.
+  (plus one search: `"max_batch_size"`, `"max_seq_len"`, `"layouts"` or `"min_gpus"`: true, the last two answered
+  by `pipeline.estimate.layouts`); the answer is what `python -m pipeline estimate ... --json` prints for the same
+  options. `GET /api/estimate?model=...` takes the same fields as a query (not the JSON-object ones): a link to
+  an answer.
 - `GET /api/models`: the registry; `GET /api/gpus`: the GPU catalogue; `GET /api/accuracy`: each
   method's measured accuracy on the standard step; `GET /api/setting-accuracy?client=sft&precision=...`:
   each method's measured accuracy on the setting an answer names (its client, precision, lora_r,
-  quantization, liger_kernel, num_gpus); `GET /api/info`: the words of the options and the server's limits.
+  quantization, liger_kernel, num_gpus, sharding, tensor_parallel); `GET /api/info`: the words of the options
+  and the server's limits.
 
 Bad input is HTTP 400 with `{"error": "<one line>"}`; a body over the limit 413, a simulation past
 the time limit 503, anything unexpected 500, each with one line and no traceback (the traceback goes
@@ -35,7 +37,8 @@ from pipeline.serve.catalogue import accuracy as accuracy_of_methods
 from pipeline.serve.catalogue import gpus as gpu_catalogue
 from pipeline.serve.catalogue import models as registry_models
 from pipeline.serve.catalogue import setting_accuracy
-from pipeline.serve.questions import LIMITS, MAX_BODY_BYTES, answer, check, from_query, needs_torch, parse_body, to_json
+from pipeline.serve.questions import (LIMITS, MAX_BODY_BYTES, MAX_NUM_GPUS, answer, check, from_query, needs_torch,
+                                      parse_body, to_json)
 from pipeline.serve.worker import SimulationTimeout, Simulator, WorkerDied, log
 
 STATIC = Path(__file__).with_name("static")
@@ -157,4 +160,4 @@ def server_info(timeout_s: float) -> dict:
             "clients": list(CLIENTS), "optimizers": list(OPTIMIZERS),
             "optims": list(OPTIMS), "shardings": list(SHARDINGS), "quantizations": list(QUANTIZATIONS),
             "methods": list(METHODS), "all_linear": ALL_LINEAR, "limits": LIMITS + f"; a simulation stops "
-            f"after {timeout_s:g} s", "timeout_s": timeout_s}
+            f"after {timeout_s:g} s", "timeout_s": timeout_s, "max_num_gpus": MAX_NUM_GPUS}
