@@ -3,7 +3,9 @@ Python package only: the system's browser, no browser download). The page asks a
 (the README's question: Llama-3.1-8B, QLoRA, batch 4, 4k tokens, RTX 4090) and a pasted config;
 the numbers it shows are checked against `python -m pipeline estimate ... --json` for the same
 question, the fit verdict's wording, the copied command, and the message beside the field of a bad
-config. A PNG screenshot of each state is written to tests/artifacts/serve/ (CI keeps that folder).
+config; a several-GPU question's layouts table and fewest GPUs, formula and exact, against the command's
+`--layouts` / `--min-gpus` JSON. A PNG screenshot of each state is written to tests/artifacts/serve/ (CI keeps
+that folder).
 
 Skipped with the reason when Chromium or Playwright is missing, unless AVP_REQUIRE_BROWSER=1 (set by
 .ci/run, which installs them): then it fails.
@@ -35,6 +37,36 @@ PASTED = {"config": TINY_CONFIG, "batch": 2, "seq": 128, "precision": "bf16", "g
 SFT_QLORA = {"model": "Qwen/Qwen2.5-0.5B", "batch": 4, "seq": 1024, "weights_dtype": "bf16", "client": "sft",
              "optim": "adamw_torch_fused", "checkpointing": True, "lora_r": 16, "quantization": "nf4",
              "gpu": "RTX 4090"}
+# A 1.7B model in bf16 on T4s: on one GPU, and under ddp on every GPU, the weights, gradients and AdamW state
+# leave no room for the step; fsdp fits on two.
+# The file `accelerate config` writes for FSDP2 on 4 GPUs, as a user uploads it.
+ACCELERATE_YAML = """compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_version: 2
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 4
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+SEVERAL = {"model": "HuggingFaceTB/SmolLM2-1.7B", "batch": 2, "seq": 1024, "precision": "bf16", "checkpointing": True,
+           "num_gpus": 4, "sharding": "fsdp", "gpu": "T4"}
 
 pytestmark = pytest.mark.slow
 
@@ -90,10 +122,13 @@ def cli_text(question: dict, method: str) -> str:
     flags = [("batch", "--batch"), ("seq", "--seq"), ("precision", "--precision"), ("weights_dtype", "--weights-dtype"),
              ("client", "--client"), ("optim", "--optim"), ("checkpointing", "--checkpointing"), ("lora_r", "--lora-r"),
              ("quantization", "--quantization"), ("num_gpus", "--num-gpus"), ("sharding", "--sharding"),
-             ("gpu", "--gpu"), ("liger_kernel", "--liger-kernel")]
+             ("shard_group", "--shard-group"), ("tensor_parallel", "--tensor-parallel"), ("gpu", "--gpu"),
+             ("liger_kernel", "--liger-kernel"), ("layouts", "--layouts"), ("min_gpus", "--min-gpus")]
     source = f"--model {question['model']}" if "model" in question else "--config config.json"
     parts = ["python -m pipeline estimate", source]
     for key, flag in flags:
+        if key == "gpu" and "accelerate_config" in question:
+            parts.append("--accelerate-config accelerate_config.yaml")  # the page names the file it was pasted from
         if question.get(key) is True:
             parts.append(flag)
         elif key in question:
@@ -268,10 +303,12 @@ ACCURACY_SHOWN = """() => {
 def accuracy_words(found: dict, method: str) -> str:
     """The accuracy line the page shows for an answer of `method` on the setting the server found."""
     m = found["methods"][method]
+    several = (f"; {found['setting']['layout']} on {' and '.join(map(str, m['gpu_counts']))} GPUs"
+               if found["setting"]["num_gpus"] > 1 else "")
     return (f"measured |error| of the peak on this setting ({found['label']}): median {100 * m['median']:.1f}%, "
             f"90th percentile {100 * m['p90']:.1f}%, worst {100 * m['worst']:.1f}% over {m['points']:,} {m['split']} "
-            f"GPU peaks ({', '.join(d.removeprefix('NVIDIA ') for d in m['devices'])}); fit verdict right for "
-            f"{100 * m['fit_accuracy']:.1f}% of {m['fit_points']} ({found['source']})")
+            f"GPU peaks ({', '.join(d.removeprefix('NVIDIA ') for d in m['devices'])}{several}); fit verdict right "
+            f"for {100 * m['fit_accuracy']:.1f}% of {m['fit_points']} ({found['source']})")
 
 
 def test_an_sft_user_with_qlora_is_asked_the_commands_question_and_told_its_settings_accuracy(page, server):
@@ -309,23 +346,119 @@ def test_an_sft_user_with_qlora_is_asked_the_commands_question_and_told_its_sett
     assert page.errors == []
 
 
-def test_several_gpus_say_that_no_measured_accuracy_matches(page, server):
-    page.goto(server)
-    wait_for_models(page)
-    question = {"model": "Qwen/Qwen2.5-0.5B", "batch": 2, "seq": 512, "precision": "bf16", "num_gpus": 4,
-                "sharding": "fsdp", "gpu": "L4"}
+def ask_on_the_page(page, question: dict) -> None:
+    """The form filled as a person would, for a registry model's question on one or several GPUs."""
     page.check("input[name=source][value=model]")
     page.fill("#model", question["model"])
     page.fill("#batch", str(question["batch"]))
     page.fill("#seq", str(question["seq"]))
     page.select_option("#adapters", "none")
-    page.fill("#num_gpus", "4")
-    page.select_option("#sharding", "fsdp")
+    page.select_option("#precision", question["precision"])
+    page.set_checked("#checkpointing", question.get("checkpointing", False))
+    page.fill("#num_gpus", str(question.get("num_gpus", 1)))
+    page.select_option("#sharding", question.get("sharding", ""))
+    if "shard_group" in question:
+        page.fill("#shard_group", str(question["shard_group"]))
+    page.fill("#tensor_parallel", str(question.get("tensor_parallel", 1)))
     page.select_option("#gpu", question["gpu"])
-    wait_for_answer(page, question, "formula", 30)
+
+
+@pytest.mark.parametrize("question, layout", [
+    ({"model": "Qwen/Qwen2.5-0.5B", "batch": 2, "seq": 512, "precision": "fp32", "num_gpus": 16, "sharding": "hsdp",
+      "shard_group": 8, "tensor_parallel": 2, "gpu": "L4"}, "hsdp+tp"),
+    ({"model": "Qwen/Qwen2.5-0.5B", "batch": 2, "seq": 512, "precision": "bf16", "num_gpus": 4, "sharding": "fsdp",
+      "gpu": "L4"}, "fsdp"),
+], ids=["never-measured", "fsdp"])
+def test_several_gpus_quote_the_measured_rows_of_their_layout_or_say_none_match(page, server, question, layout):
+    """The line under a several-GPU answer names the layout and quotes the validation's rows of it (the GPU counts
+    they ran on), or says plainly that none is measured."""
+    page.goto(server)
+    wait_for_models(page)
+    ask_on_the_page(page, question)
+    wait_for_answer(page, question, "exact", 120)
     shown = poll(page, ACCURACY_SHOWN, lambda a: a and "GPUs" in a["text"], 30)
-    assert shown["points"] == "" and "several GPUs are simulated" in shown["text"]
-    assert "4 GPUs" in shown["text"]
+    query = "&".join(f"{k}={question[k]}" for k in ("precision", "num_gpus", "sharding") if k in question)
+    query += f"&tensor_parallel={question.get('tensor_parallel', 1)}"
+    status, found, _ = request(f"{server}/api/setting-accuracy?{query}")
+    assert status == 200 and found["setting"]["layout"] == layout
+    assert found["label"].endswith(f"{question['num_gpus']} GPUs, {layout}")
+    if found["methods"]:  # once the validation holds several-GPU rows of the layout
+        assert shown["text"] == accuracy_words(found, "exact") and shown["points"]
+    else:
+        assert shown["points"] == ""
+        assert shown["text"] == f"measured accuracy: {found['missing']}"
+    assert page.errors == []
+
+
+LAYOUTS_SHOWN = """() => {
+    const v = (id) => document.getElementById(id);
+    const table = v('layouts-table');
+    return {method: table.dataset.method, summary: v('layouts-summary').textContent, cli: v('layouts-cli').textContent,
+            error: v('layouts-error').textContent, caption: v('layouts-caption').textContent,
+            rows: [...table.tBodies[0].rows].map((r) => ({layout: r.dataset.layout, fits: r.dataset.fits,
+                best: r.classList.contains('best'), peak: r.cells[1].dataset.bytes || null,
+                reserved: r.cells[2].dataset.bytes || null, cells: [...r.cells].map((c) => c.textContent)}))};
+}"""
+
+
+def check_layouts(shown: dict, expected: dict) -> None:
+    """The page's table (`shown`) is the command's `--layouts` / `--min-gpus` JSON row by row."""
+    assert shown["method"] == expected["method"]
+    assert [r["layout"] for r in shown["rows"]] == [r["layout"] for r in expected["layouts"]]
+    for row, want in zip(shown["rows"], expected["layouts"]):
+        assert row["fits"] == json.dumps(want["fits"])
+        if want.get("peak_bytes") is None:
+            assert (row["peak"], row["cells"][1:4]) == (None, ["–", "–", "no" if want["fits"] is False else "?"])
+        else:
+            assert float(row["peak"]) == want["peak_bytes"] and float(row["reserved"]) == want["peak_reserved_bytes"]
+            headroom = want["headroom_bytes"] / GIB
+            assert row["cells"][3] == (f"yes, {headroom:.2f} GiB headroom" if want["fits"]
+                                       else f"no, {-headroom:.2f} GiB short")
+        assert row["cells"][4] == want.get("reason", "")
+        assert row["best"] == (expected.get("layout") is not None and expected["layout"]["layout"] == want["layout"])
+
+
+def test_the_layouts_and_the_fewest_gpus_of_a_several_gpu_question(page, server):
+    """Layouts on 1 to 4 GPUs (the GPUs asked), the formula's table at once and the exact one after, each the
+    command's; ddp does not fit where fsdp does. Then the fewest GPUs: "2 GPUs: fsdp", and the rows it tried."""
+    page.goto(server)
+    wait_for_models(page)
+    ask_on_the_page(page, SEVERAL)
+    wait_for_answer(page, SEVERAL, "formula", 30)
+    assert page.inner_text("#layouts-run") == "Layouts on 1 to 4 GPUs"
+    page.click("#layouts-run")
+    asked = {**{k: v for k, v in SEVERAL.items() if k != "sharding"}, "layouts": True}
+    formula = poll(page, LAYOUTS_SHOWN, lambda s: s["method"] == "formula", 30)
+    assert formula["cli"] == cli_text(asked, "formula")
+    exact = poll(page, LAYOUTS_SHOWN, lambda s: s["method"] == "exact", 300)
+    page.wait_for_timeout(300)
+    screenshot(page, "09-layouts-exact.png")
+    layouts = page.locator("#layouts").bounding_box()
+    page.screenshot(path=str(ARTIFACTS / "09-layouts-exact-clip.png"), full_page=True,
+                    clip={"x": 0, "y": 0, "width": 1400, "height": layouts["y"] + layouts["height"] + 16})
+    assert exact["cli"] == cli_text(asked, "exact")
+    check_layouts(formula, cli_json({**asked, "method": "formula"}))
+    expected = cli_json({**asked, "method": "exact"})
+    check_layouts(exact, expected)
+    rows = {row["layout"]: row for row in expected["layouts"]}
+    for ddp in ("1 GPU", "2 GPUs, ddp", "4 GPUs, ddp"):
+        assert rows[ddp]["fits"] is False
+    assert rows["2 GPUs, fsdp"]["fits"] is True and rows["4 GPUs, fsdp"]["fits"] is True
+    fitting = [row for row in expected["layouts"] if row["fits"]]
+    assert exact["summary"] == (f"{len(fitting)} of {len(expected['layouts'])} layouts fit; the fewest GPUs that do: "
+                                "2 (exact)")
+
+    page.click("#min-gpus-run")
+    fewest_asked = {**{k: v for k, v in asked.items() if k != "layouts"}, "num_gpus": 1024, "min_gpus": True}
+    fewest = poll(page, LAYOUTS_SHOWN, lambda s: s["method"] == "formula" and "--min-gpus" in s["cli"], 30)
+    page.wait_for_timeout(300)
+    screenshot(page, "10-fewest-gpus-formula.png")
+    assert fewest["cli"] == cli_text(fewest_asked, "formula")
+    expected = cli_json({**fewest_asked, "method": "formula"})
+    check_layouts(fewest, expected)
+    assert expected["min_gpus"] == 2 and expected["layout"]["layout"] == "2 GPUs, fsdp"
+    assert fewest["summary"] == f"2 GPUs: fsdp, {expected['layout']['headroom_bytes'] / GIB:.2f} GiB of headroom " \
+                                "per GPU (formula)"
     assert page.errors == []
 
 
@@ -349,4 +482,29 @@ def test_a_bad_config_is_a_message_beside_the_field(page, server):
     page.fill("#config", "{not json")
     poll(page, "() => document.getElementById('error-config').textContent", lambda t: t.startswith("not valid JSON"), 10)
     screenshot(page, "06-config-not-json.png")
+    assert page.errors == []
+
+
+def test_an_accelerate_config_file_is_read_as_the_command_reads_it(page, server, tmp_path):
+    """The Trainer on the YAML `accelerate config` writes (FSDP2, 4 processes), uploaded with the file picker: the
+    page's question is the command's with that file, and so are its numbers."""
+    import yaml
+
+    question = {"model": "HuggingFaceTB/SmolLM2-135M", "batch": 4, "seq": 1024, "precision": "amp-bf16",
+                "client": "trainer", "optim": "adamw_torch_fused", "accelerate_config": yaml.safe_load(ACCELERATE_YAML),
+                "gpu": "T4"}
+    page.goto(server)
+    wait_for_models(page)
+    ask_on_the_page(page, {**question, "precision": "bf16"})
+    page.select_option("#client", "trainer")
+    page.select_option("#weights_dtype", "fp32")
+    page.select_option("#autocast", "bf16")
+    page.click("#accelerate-box summary")
+    (tmp_path / "default_config.yaml").write_text(ACCELERATE_YAML)
+    page.set_input_files("#accelerate-file", str(tmp_path / "default_config.yaml"))
+    s = wait_for_answer(page, question, "formula", 30)
+    expected = cli_json({**question, "method": "formula"})
+    assert (expected["num_gpus"], expected["sharding"], expected["precision"]) == (4, "fsdp", "amp-bf16")
+    check_numbers(s, expected, "the T4, each GPU of 4 GPUs, fsdp")
+    screenshot(page, "11-accelerate-config.png")
     assert page.errors == []

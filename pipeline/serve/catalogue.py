@@ -132,9 +132,10 @@ def setting_of(words: dict) -> dict:
     if setting["num_gpus"] > 1 and setting["sharding"] is None and setting["tensor_parallel"] == 1:
         raise UserError(f"{setting['num_gpus']} GPUs need a sharding ({', '.join(SHARDINGS)}) or tensor_parallel")
     adapters = "qlora" if setting["quantization"] else "lora" if setting["lora_r"] else "full"
+    layout = layout_name(SimpleNamespace(**{k: setting[k] for k in ("num_gpus", "sharding", "tensor_parallel")}))
     return {"client": setting["client"], "adapters": adapters, "quantization": setting["quantization"],
             "precision": setting["precision"], "liger_kernel": setting["liger_kernel"], "num_gpus": setting["num_gpus"],
-            "layout": layout_name(SimpleNamespace(**{k: setting[k] for k in ("num_gpus", "sharding", "tensor_parallel")}))}
+            "layout": layout}
 
 
 def setting_label(setting: dict) -> str:

@@ -13,7 +13,7 @@ const $ = (id) => document.getElementById(id);
 const state = {
   models: [], byId: new Map(), gpus: [], accuracy: {}, info: {}, client: "loop", settingAccuracy: new Map(),
   gen: 0, q: null, formula: null, formulaError: null, exact: null, exactError: null,
-  searches: {}, curve: [], exactQueue: new Map(), exactBusy: false, timers: {},
+  searches: {}, curve: [], layouts: null, exactQueue: new Map(), exactBusy: false, timers: {},
 };
 
 const EXAMPLES = {
@@ -31,15 +31,25 @@ const FLAGS = [["batch", "--batch"], ["seq", "--seq"], ["precision", "--precisio
   ["optimizer", "--optimizer"], ["optim", "--optim"], ["gradient_accumulation", "--gradient-accumulation"],
   ["checkpointing", "--checkpointing"], ["lora_r", "--lora-r"], ["lora_alpha", "--lora-alpha"],
   ["lora_targets", "--lora-targets"], ["quantization", "--quantization"], ["num_gpus", "--num-gpus"],
-  ["sharding", "--sharding"], ["gpu", "--gpu"], ["gpu_memory_gib", "--gpu-memory"],
-  ["expandable_segments", "--expandable-segments"], ["liger_kernel", "--liger-kernel"]];
+  ["sharding", "--sharding"], ["shard_group", "--shard-group"], ["tensor_parallel", "--tensor-parallel"],
+  ["accelerate_config", "--accelerate-config"], ["gpu", "--gpu"], ["gpu_memory_gib", "--gpu-memory"],
+  ["expandable_segments", "--expandable-segments"], ["liger_kernel", "--liger-kernel"], ["layouts", "--layouts"],
+  ["min_gpus", "--min-gpus"]];
+// A pasted file is named by the file it would be on the command line (the server takes its content).
+const FILE_NAMES = {accelerate_config: "accelerate_config.yaml"};
 // The clients that run a Trainer (its optim, accumulation and Liger), and TRL's, which checkpoint by default.
 const TRAINER_CLIENTS = ["trainer", "sft", "dpo"];
 const TRL_CLIENTS = ["sft", "dpo"];
-const NUMBER_FIELDS = ["batch", "seq", "gradient_accumulation", "lora_r", "lora_alpha", "num_gpus", "gpu_memory_gib"];
+const NUMBER_FIELDS = ["batch", "seq", "gradient_accumulation", "lora_r", "lora_alpha", "num_gpus", "shard_group",
+  "tensor_parallel", "gpu_memory_gib"];
+const LAYOUT_FIELDS = ["num_gpus", "sharding", "shard_group", "tensor_parallel"];  // the layouts table varies them
+const DEFAULT_LAYOUTS_LIMIT = 8;  // the library's: estimate --layouts without --num-gpus
 
 // Which field a server message is about: the first rule whose words it holds.
 const ERROR_FIELDS = [
+  ["accelerate_config", /accelerate/i],
+  ["shard_group", /shard_group|shard group/i],
+  ["tensor_parallel", /tensor_parallel|tensor parallel/i],
   ["adapters", /lora|quantiz|adapter|peft/i],
   ["sharding", /sharding|num_gpus|GPUs/],
   ["gpu", /\bgpu\b|gpu_memory|GiB/i],
@@ -55,6 +65,7 @@ const ERROR_FIELDS = [
 const NAMES = {parameters: "weights", gradients: "gradients", optimizer_state: "optimizer state",
   optimizer_intermediates: "optimizer temporaries", activations: "activations", loss_backward: "logits and loss",
   workspaces: "workspaces", unsharded_parameters: "unsharded parameters (FSDP)", all_gather: "all-gather buffers",
+  reduce_scatter: "reduce-scatter buffers (FSDP)", ddp_buckets: "gradient buckets (DDP)",
   slack: "allocator slack (reserved − allocated)", outside: "outside PyTorch (CUDA context, driver)"};
 const COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#e15759", "#76b7b2", "#edc948", "#9c755f", "#ff9da7"];
 const SLACK_COLOR = "#c9c9c9", OUTSIDE_COLOR = "#7f7f7f";
@@ -161,7 +172,16 @@ function question() {
   }
   const gpus = numberOrText("num_gpus");
   if (gpus !== undefined && gpus !== 1) q.num_gpus = gpus;
-  if ($("sharding").value) q.sharding = $("sharding").value;
+  const sharding = $("sharding").value;
+  if (sharding) q.sharding = sharding;
+  if (sharding === "hsdp") {
+    const group = numberOrText("shard_group");
+    q.shard_group = group === undefined ? "" : group;
+  }
+  const tp = numberOrText("tensor_parallel");
+  if (client === "loop" && tp !== undefined && tp !== 1) q.tensor_parallel = tp;
+  const accelerate = $("accelerate_config").value.trim();
+  if (accelerate) q.accelerate_config = parseAccelerate(accelerate);
   if ($("gpu").value === "custom") {
     const memory = numberOrText("gpu_memory_gib");
     q.gpu_memory_gib = memory === undefined ? "" : memory;
@@ -170,6 +190,55 @@ function question() {
   }
   if ($("expandable_segments").checked) q.expandable_segments = true;
   return q;
+}
+
+// An accelerate config as the server takes it (a JSON object): the JSON, or the YAML `accelerate config` writes
+// (mappings nested by indentation, scalars, [] and {}); what else YAML allows is a message beside the field.
+function parseAccelerate(text) {
+  const field = "accelerate_config";
+  if (text.startsWith("{")) {
+    let value;
+    try { value = JSON.parse(text); } catch (e) { throw new FieldError(field, `not valid JSON: ${e.message}`); }
+    if (value === null || typeof value !== "object" || Array.isArray(value)) {
+      throw new FieldError(field, "an accelerate config is a mapping of its keys");
+    }
+    return value;
+  }
+  const root = {};
+  const stack = [{indent: -1, node: root}];
+  const bare = [];  // keys with nothing after the colon: a mapping if lines follow, else null
+  text.split(/\r?\n/).forEach((raw, i) => {
+    const line = raw.replace(/\s+#.*$/, "");
+    const body = line.trim();
+    if (!body || body.startsWith("#") || body === "---") return;
+    const indent = line.length - line.trimStart().length;
+    const pair = body.match(/^([A-Za-z0-9_.-]+):(?:\s+(.*))?$/);
+    if (!pair) throw new FieldError(field, `line ${i + 1} is not "key: value": paste the file's YAML or JSON`);
+    while (indent <= stack[stack.length - 1].indent) stack.pop();
+    const parent = stack[stack.length - 1].node;
+    if (pair[2] === undefined) {
+      parent[pair[1]] = {};
+      bare.push([parent, pair[1]]);
+      stack.push({indent, node: parent[pair[1]]});
+    } else {
+      parent[pair[1]] = yamlScalar(pair[2]);
+    }
+  });
+  for (const [parent, key] of bare) if (!Object.keys(parent[key]).length) parent[key] = null;
+  return root;
+}
+
+function yamlScalar(text) {
+  const t = text.trim();
+  if (/^'.*'$/.test(t)) return t.slice(1, -1).replace(/''/g, "'");
+  if (/^".*"$/.test(t)) return JSON.parse(t);
+  if (t === "[]") return [];
+  if (t === "{}") return {};
+  if (/^(true|True|TRUE)$/.test(t)) return true;
+  if (/^(false|False|FALSE)$/.test(t)) return false;
+  if (/^(null|Null|NULL|~)$/.test(t)) return null;
+  if (/^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$/.test(t)) return Number(t);
+  return t;
 }
 
 // ---------- precision in the Trainer's words ----------
@@ -255,6 +324,10 @@ function setForm(q) {
   $("quantization").value = q.quantization || "nf4";
   $("num_gpus").value = q.num_gpus ?? 1;
   $("sharding").value = q.sharding || "";
+  $("shard_group").value = q.shard_group ?? 8;
+  $("tensor_parallel").value = q.tensor_parallel ?? 1;
+  $("accelerate_config").value = q.accelerate_config ? JSON.stringify(q.accelerate_config, null, 2) : "";
+  $("accelerate-box").open = !!q.accelerate_config;
   if (q.gpu_memory_gib !== undefined) {
     $("gpu").value = "custom";
     $("gpu_memory_gib").value = q.gpu_memory_gib;
@@ -282,6 +355,8 @@ function showBoxes() {
   for (const node of document.querySelectorAll(".lora-only")) node.hidden = adapters === "none";
   $("quantization").disabled = adapters !== "qlora";
   $("gpu-memory-box").hidden = $("gpu").value !== "custom";
+  $("shard-group-box").hidden = $("sharding").value !== "hsdp";
+  $("tensor-parallel-box").hidden = $("client").value !== "loop";
   modelHint();
 }
 
@@ -304,7 +379,7 @@ function modelHint() {
 function writeHash(q) {
   if (q.config) { history.replaceState(null, "", location.pathname); return; }
   const params = new URLSearchParams();
-  for (const [k, v] of Object.entries(q)) params.set(k, String(v));
+  for (const [k, v] of Object.entries(q)) params.set(k, typeof v === "object" ? JSON.stringify(v) : String(v));
   history.replaceState(null, "", `#${params}`);
 }
 
@@ -313,6 +388,9 @@ function readHash() {
   const q = {};
   for (const [k, v] of new URLSearchParams(location.hash.slice(1))) {
     q[k] = NUMBER_FIELDS.includes(k) ? Number(v) : v === "true" ? true : v;
+    if (k === "accelerate_config") {
+      try { q[k] = JSON.parse(v); } catch { delete q[k]; }
+    }
   }
   return q.model ? q : null;
 }
@@ -359,8 +437,10 @@ function changed() {
   clearErrors();
   clearTimeout(state.timers.formula);
   clearTimeout(state.timers.exact);
+  state.timers.exact = null;
   state.exactQueue.clear();
-  Object.assign(state, {formula: null, formulaError: null, exact: null, exactError: null, searches: {}, curve: []});
+  Object.assign(state, {formula: null, formulaError: null, exact: null, exactError: null, searches: {}, curve: [],
+                        layouts: null});
   let q;
   try {
     q = question();
@@ -377,7 +457,14 @@ function changed() {
   setStatus("formula: asking…");
   render();
   state.timers.formula = setTimeout(() => runFormula(gen, q), FORMULA_DELAY_MS);
-  state.timers.exact = setTimeout(() => queueExact(gen, "estimate", {...q, method: "exact"}), EXACT_DELAY_MS);
+  state.timers.exact = setTimeout(askExact, EXACT_DELAY_MS);
+}
+
+// The exact answer of the question shown (once the typing pauses, or at once when a table is asked before).
+function askExact() {
+  clearTimeout(state.timers.exact);
+  state.timers.exact = null;
+  queueExact(state.gen, "estimate", {...state.q, method: "exact"});
 }
 
 async function runFormula(gen, q) {
@@ -420,7 +507,8 @@ function curveSeqs(q) {
 }
 
 // The exact simulations run one at a time on the server: the page keeps at most one of each kind
-// waiting (the latest question's) and drops those of a question that changed meanwhile.
+// waiting (the latest question's: estimate, mbs, msl, layouts) and drops those of a question that changed
+// meanwhile.
 function queueExact(gen, kind, q) {
   state.exactQueue.set(kind, {gen, q});
   if (!state.exactBusy) pumpExact();
@@ -429,15 +517,27 @@ function queueExact(gen, kind, q) {
 async function pumpExact() {
   state.exactBusy = true;
   while (state.exactQueue.size) {
-    const [kind, job] = state.exactQueue.entries().next().value;
+    // the answer's own simulation first (seconds), then the searches and tables in the order they were asked
+    const kind = state.exactQueue.has("estimate") ? "estimate" : state.exactQueue.keys().next().value;
+    const job = state.exactQueue.get(kind);
     state.exactQueue.delete(kind);
     if (job.gen !== state.gen) continue;
     const started = performance.now();
-    const tick = setInterval(() => setStatus(statusText(((performance.now() - started) / 1000).toFixed(0), kind)), 500);
-    setStatus(statusText(0, kind));
+    const show = kind === "layouts" ? setLayoutsStatus : setStatus;
+    const tick = setInterval(() => show(statusText(((performance.now() - started) / 1000).toFixed(0), kind)), 500);
+    show(statusText(0, kind));
     const result = await ask(job.q);
     clearInterval(tick);
     if (job.gen !== state.gen) continue;
+    if (kind === "layouts") {
+      show("");
+      const shown = state.layouts;
+      if (!shown || shown.exactQuestion !== job.q) continue;  // the other button was pressed meanwhile
+      if (result.ok) Object.assign(shown, {exact: result.body, exactSeconds: result.seconds});
+      else shown.exactError = result.body.error;
+      renderLayouts();
+      continue;
+    }
     if (kind === "estimate") {
       if (result.ok) {
         state.exact = result.body;
@@ -459,10 +559,12 @@ async function pumpExact() {
 }
 
 function statusText(seconds, kind) {
-  const what = kind === "estimate" ? "exact: simulating the step" : kind === "mbs" ? "exact: searching the largest batch"
-    : "exact: searching the longest sequence";
+  const what = {estimate: "exact: simulating the step", mbs: "exact: searching the largest batch",
+    msl: "exact: searching the longest sequence", layouts: "exact: simulating each layout"}[kind];
   return `${what}… ${seconds} s`;
 }
+
+function setLayoutsStatus(text) { $("layouts-status").textContent = text; }
 
 function setStatus(text) { $("status").textContent = text; }
 
@@ -486,6 +588,7 @@ function render() {
     $("bar").replaceChildren();
     $("plot").replaceChildren();
     renderSearches();
+    renderLayouts();
     renderCopies(null);
     return;
   }
@@ -513,6 +616,7 @@ function render() {
   $("notes").textContent = notes.join(" ");
   drawBar(a);
   renderSearches();
+  renderLayouts();
   drawPlot(a);
   renderCopies(a);
 }
@@ -536,7 +640,11 @@ function settingQuery(a) {
     if (a.adapter.quantization) params.set("quantization", a.adapter.quantization);
   }
   if (a.liger_kernel) params.set("liger_kernel", "true");
-  if (a.num_gpus > 1) params.set("num_gpus", String(a.num_gpus));
+  if (a.num_gpus > 1) {
+    params.set("num_gpus", String(a.num_gpus));
+    if (a.sharding) params.set("sharding", a.sharding);
+    if (a.tensor_parallel > 1) params.set("tensor_parallel", String(a.tensor_parallel));
+  }
   return params.toString();
 }
 
@@ -565,9 +673,12 @@ function accuracyLine(a) {
   if (!found) {
     span.textContent = "measured accuracy of this setting: asking…";
   } else if (!acc) {
-    span.textContent = `measured accuracy (${found.label}): ${found.missing || `none for the ${a.method} method`}`;
+    span.textContent = found.missing ? `measured accuracy: ${found.missing}`
+      : `measured accuracy (${found.label}): none for the ${a.method} method`;
   } else {
-    const gpus = acc.devices.map((d) => d.replace(/^NVIDIA /, "")).join(", ");
+    const several = found.setting.num_gpus > 1
+      ? `; ${found.setting.layout} on ${acc.gpu_counts.join(" and ")} GPUs` : "";
+    const gpus = acc.devices.map((d) => d.replace(/^NVIDIA /, "")).join(", ") + several;
     span.textContent = `measured |error| of the peak on this setting (${found.label}): median ${pct(acc.median)}, `
       + `90th percentile ${pct(acc.p90)}, worst ${pct(acc.worst)} over ${acc.points.toLocaleString("en")} `
       + `${acc.split} GPU peaks (${gpus}); fit verdict right for ${pct(acc.fit_accuracy)} of ${acc.fit_points} `
@@ -589,7 +700,7 @@ function renderVerdict(a) {
   if (!("fits" in a)) {
     v.className = "verdict pending"; v.dataset.fits = ""; v.textContent = "No GPU chosen: no verdict."; return;
   }
-  const perGpu = a.sharding ? ` (each of ${a.num_gpus} GPUs, ${a.sharding})` : "";
+  const perGpu = a.num_gpus > 1 ? `, each GPU of ${layoutWords(a)}` : "";
   const head = a.fits ? `Fits on ${gpuWords(a)}${perGpu}: ${gib(a.headroom_bytes)} of headroom`
     : `Does not fit on ${gpuWords(a)}${perGpu}: ${gib(-a.headroom_bytes)} short`;
   const detail = `reserved ${gib(a.peak_reserved_bytes)} + ${gib(a.outside_bytes)} outside PyTorch `
@@ -601,6 +712,18 @@ function renderVerdict(a) {
   const small = document.createElement("small");
   small.textContent = detail;
   v.replaceChildren(strong, small);
+}
+
+// A layout as the library describes it (training.layout.Layout.describe): "16 GPUs, hsdp (2 replicas x 8 shards)".
+function layoutWords(a) {
+  const parts = [`${a.num_gpus} GPU${a.num_gpus > 1 ? "s" : ""}`];
+  if (a.sharding === "hsdp") {
+    parts.push(`hsdp (${a.num_gpus / a.tensor_parallel / a.shard_group} replicas x ${a.shard_group} shards)`);
+  } else if (a.sharding) {
+    parts.push(a.sharding);
+  }
+  if (a.tensor_parallel > 1) parts.push(`tensor parallel ${a.tensor_parallel}`);
+  return parts.join(", ");
 }
 
 function renderSearches() {
@@ -783,7 +906,8 @@ function cliCommand(q, method) {
   for (const [key, flag] of FLAGS) {
     if (key === "checkpointing" && q[key] === false && TRL_CLIENTS.includes(q.client)) parts.push("--no-checkpointing");
     if (q[key] === undefined || q[key] === false) continue;
-    parts.push(q[key] === true ? flag : `${flag} ${sh(String(q[key]))}`);
+    if (key in FILE_NAMES) parts.push(`${flag} ${FILE_NAMES[key]}`);
+    else parts.push(q[key] === true ? flag : `${flag} ${sh(String(q[key]))}`);
   }
   parts.push(`--method ${method}`, "--json");
   return parts.join(" ");
@@ -792,7 +916,9 @@ function cliCommand(q, method) {
 function pythonCode(q, method) {
   const lines = ["from pipeline.estimate import estimate", ""];
   const args = [q.model ? `model=${py(q.model)}` : `config="config.json"`];
-  for (const [key] of FLAGS) if (q[key] !== undefined) args.push(`${key}=${py(q[key])}`);
+  for (const [key] of FLAGS) {
+    if (q[key] !== undefined) args.push(`${key}=${key in FILE_NAMES ? py(FILE_NAMES[key]) : py(q[key])}`);
+  }
   args.push(`method=${py(method)}`);
   lines.push(`answer = estimate(${args.join(", ")})`);
   lines.push(`print(answer["peak_bytes"], answer.get("fits"))`);
@@ -811,7 +937,7 @@ async function copy(id, button) {
     getSelection().addRange(range);
     button.textContent = "selected: press Ctrl+C";
   }
-  setTimeout(() => { button.textContent = id === "cli" ? "copy as CLI command" : "copy as Python"; }, 1500);
+  setTimeout(() => { button.textContent = id === "python" ? "copy as Python" : "copy as CLI command"; }, 1500);
 }
 
 // ---------- start ----------
@@ -832,7 +958,7 @@ async function start() {
   fillSelect("optimizer", info.optimizers);
   fillSelect("optim", info.optims);
   fillSelect("quantization", info.quantizations);
-  fillSelect("sharding", ["", ...info.shardings], {"": "none (one GPU)"});
+  fillSelect("sharding", ["", ...info.shardings], {"": "none"});
   fillSelect("gpu", [...gpus.map((g) => g.name), "custom"],
     Object.fromEntries([...gpus.map((g) => [g.name, `${g.name} (${(g.total_mib / 1024).toFixed(1)} GiB)`]),
                         ["custom", "another GPU: its memory in GiB"]]));
@@ -850,9 +976,13 @@ async function start() {
 
   setForm(readHash() || DEFAULT);
   const form = $("question");
-  form.addEventListener("input", (e) => { if (e.target.id !== "config-file") changed(); });
+  form.addEventListener("input", (e) => { if (e.target.type !== "file") changed(); });
   form.addEventListener("change", (e) => { if (e.target.tagName === "SELECT" || e.target.type === "radio" || e.target.type === "checkbox") changed(); });
-  $("config-file").addEventListener("change", readUpload);
+  $("config-file").addEventListener("change", (e) => readUpload(e, "config"));
+  $("accelerate-file").addEventListener("change", (e) => readUpload(e, "accelerate_config"));
+  $("layouts-run").addEventListener("click", () => runLayouts("layouts"));
+  $("min-gpus-run").addEventListener("click", () => runLayouts("min_gpus"));
+  $("copy-layouts-cli").addEventListener("click", (e) => copy("layouts-cli", e.target));
   for (const button of document.querySelectorAll(".example")) {
     button.addEventListener("click", () => { setForm({...EXAMPLES[button.dataset.example]}); changed(); });
   }
@@ -871,19 +1001,118 @@ function runSearch(kind) {
   if (kind === "mbs") q.max_batch_size = true; else q.max_seq_len = true;
   state.searches[`${kind}Exact`] = "queued…";
   renderSearches();
+  if (state.timers.exact) askExact();
   queueExact(state.gen, kind, q);
 }
 
-function readUpload(event) {
+// ---------- which layouts fit ----------
+// The layouts table (N = 1, 2, 4, ... up to the GPUs asked, else 8) or the fewest GPUs (up to the server's
+// limit): the question without its layout, which the table varies. The formula's answer comes at once, the
+// exact one after the simulations queued before it.
+function layoutsLimit() {
+  const n = Number($("num_gpus").value);
+  return Number.isInteger(n) && n > 1 ? n : DEFAULT_LAYOUTS_LIMIT;
+}
+
+function layoutsQuestion(kind) {
+  const q = {...state.q};
+  for (const name of LAYOUT_FIELDS) delete q[name];
+  q.num_gpus = kind === "min_gpus" ? state.info.max_num_gpus : layoutsLimit();
+  q[kind] = true;
+  return q;
+}
+
+async function runLayouts(kind) {
+  if (!state.q) return;
+  const q = layoutsQuestion(kind), gen = state.gen;
+  const shown = {kind, q, exactQuestion: {...q, method: "exact"}, formula: null, exact: null,
+                 formulaError: null, exactError: null};
+  state.layouts = shown;
+  renderLayouts();
+  if (state.timers.exact) askExact();  // the answer's own simulation first: seconds, not a table's minute
+  if (state.exactBusy) setLayoutsStatus("exact: waiting for the simulation before it…");
+  queueExact(gen, "layouts", shown.exactQuestion);
+  const result = await ask({...q, method: "formula"});
+  if (state.layouts !== shown) return;
+  if (result.ok) Object.assign(shown, {formula: result.body, formulaSeconds: result.seconds});
+  else shown.formulaError = result.body.error;
+  renderLayouts();
+}
+
+function renderLayouts() {
+  const shown = state.layouts;
+  $("layouts-run").textContent = `Layouts on 1 to ${layoutsLimit()} GPUs`;
+  $("layouts-run").disabled = $("min-gpus-run").disabled = !state.q;
+  const a = shown && (shown.exact || shown.formula);
+  const table = $("layouts-table");
+  table.hidden = !a;
+  table.dataset.method = a ? a.method : "";
+  $("layouts-copy").hidden = !shown;
+  const errors = shown ? [shown.exact ? null : shown.formulaError, shown.exactError].filter(Boolean) : [];
+  $("layouts-error").textContent = [...new Set(errors)].join(" ");
+  if (!shown) { $("layouts-summary").textContent = ""; setLayoutsStatus(""); return; }
+  $("layouts-cli").textContent = cliCommand(shown.q, a ? a.method : "formula");
+  $("layouts-summary").textContent = a ? layoutsSummary(a, shown) : "";
+  if (!a) return;
+  const seconds = a === shown.exact ? shown.exactSeconds : shown.formulaSeconds;
+  $("layouts-caption").textContent = `${a.method}${seconds == null ? "" : ` (${seconds.toFixed(2)} s)`}: one GPU's `
+    + `bytes at batch ${a.batch_size} per data-parallel rank × ${a.seq_len} tokens, ${a.precision}, ${a.client}`
+    + `${a.checkpointing ? ", checkpointing" : ""}, on ${gpuWords(a)} (${gib(a.device_total_bytes)})`
+    + (shown.exact ? "" : shown.exactError ? "" : "; the exact simulation replaces it when it comes");
+  const main = state.exact || state.formula;
+  const asked = main && main.num_gpus > 1 ? layoutWords(main) : null;
+  table.tBodies[0].replaceChildren(...a.layouts.map((row) => layoutRow(row, a.layout, asked)));
+  table.classList.toggle("no-why", !a.layouts.some((row) => row.reason));
+}
+
+function layoutsSummary(a, shown) {
+  const fitting = a.layouts.filter((row) => row.fits);
+  if (shown.kind === "layouts") {
+    const fewest = fitting.length ? Math.min(...fitting.map((row) => row.num_gpus)) : 0;
+    return fewest ? `${fitting.length} of ${a.layouts.length} layouts fit; the fewest GPUs that do: ${fewest} `
+      + `(${a.method})` : `No layout fits on up to ${shown.q.num_gpus} GPUs (${a.method})`;
+  }
+  if (!a.min_gpus) return `No layout fits on up to ${shown.q.num_gpus} GPUs (${a.method})`;
+  const rest = a.layout.layout.split(", ").slice(1).join(", ") || "one GPU, no sharding";
+  return `${a.min_gpus} GPU${a.min_gpus > 1 ? "s" : ""}: ${rest}, ${gib(a.layout.headroom_bytes)} of headroom `
+    + `per GPU (${a.method})`;
+}
+
+function layoutRow(row, best, asked) {
+  const tr = document.createElement("tr");
+  tr.dataset.fits = String(row.fits);
+  tr.dataset.layout = row.layout;
+  if (best && best.layout === row.layout) tr.classList.add("best");
+  if (row.layout === asked) {
+    tr.classList.add("asked");
+    tr.title = "the layout of the question above";
+  }
+  const simulated = row.peak_bytes != null;
+  const fits = row.fits === true ? `yes, ${gib(row.headroom_bytes)} headroom`
+    : row.fits === false ? (simulated ? `no, ${gib(-row.headroom_bytes)} short` : "no") : "?";
+  const cells = [[row.layout], [simulated ? gib(row.peak_bytes) : "–", "num", row.peak_bytes],
+    [simulated ? gib(row.peak_reserved_bytes) : "–", "num", row.peak_reserved_bytes], [fits, "fits"],
+    [row.reason || "", "why"]];
+  for (const [text, cls, bytes] of cells) {
+    const td = document.createElement("td");
+    td.textContent = text;
+    if (cls) td.className = cls;
+    if (bytes != null) td.dataset.bytes = String(bytes);
+    tr.append(td);
+  }
+  return tr;
+}
+
+function readUpload(event, field) {
   const file = event.target.files[0];
   if (!file) return;
   if (file.size > MAX_UPLOAD) {
     clearErrors();
-    showError("config", `${file.name} is over 1 MiB, the server's limit (a config.json is a few kB)`);
+    showError(field, `${file.name} is over 1 MiB, the server's limit (such a file is a few kB)`);
     return;
   }
   const reader = new FileReader();
-  reader.onload = () => { $("config").value = reader.result; changed(); };
+  reader.onload = () => { $(field).value = reader.result; changed(); };
   reader.readAsText(file);
 }
 
