@@ -158,6 +158,13 @@ def figure_path(name):
 
 # Several GPUs: measured only when asked (measure=gpu distributed=true) on a machine with them.
 DISTRIBUTED = MEASURE == "gpu" and str(config.get("distributed", False)).lower() == "true"
+# Each several-GPU table and its plan; `--config distributed_gpu=h100` names the GPU the tables are measured on.
+DISTRIBUTED_GPU = config.get("distributed_gpu", "h200")
+DISTRIBUTED_PLANS = {
+    f"results/distributed/{DISTRIBUTED_GPU}/peak_memory.parquet": "config/sweep_distributed_clients.yaml",
+    f"results/distributed_heldout/{DISTRIBUTED_GPU}/peak_memory.parquet": "config/sweep_distributed_heldout.yaml",
+    f"results/distributed_8/{DISTRIBUTED_GPU}/peak_memory.parquet": "config/sweep_distributed.yaml",
+}
 # The measured training-settings tables (committed; measured with `sweep --plan config/sweep_trainer*.yaml`).
 SETTINGS_PRESENT = [path for path in SETTINGS_TABLES if Path(path).exists()]
 HAVE_SETTINGS = bool(SETTINGS_PRESENT) and (SIMULATE == "run" or Path(SETTINGS_SIMULATED).exists())
@@ -170,7 +177,7 @@ def final_outputs():
     if HAVE_SETTINGS:
         outputs.append(SETTINGS_VALIDATION)
     if DISTRIBUTED:
-        outputs.append("results/distributed/peak_memory.parquet")
+        outputs.extend(DISTRIBUTED_PLANS)
     return outputs
 
 

@@ -51,18 +51,21 @@ if MEASURE == "gpu":
             " > {log:q} 2>&1"
 
 
-# Several GPUs (issue 14): `snakemake --config measure=gpu distributed=true` on a machine (or a
-# SLURM job) with several GPUs runs config/sweep_distributed.yaml, one torchrun job per group.
+# Several GPUs: `snakemake --config measure=gpu distributed=true` on a machine (or a SLURM job) with several
+# GPUs runs each plan of DISTRIBUTED_PLANS, one torchrun process per point (resumable: a rerun skips the points
+# in the table's JSONL); the clients' plans need 2 or 4 GPUs, the loop's 8.
 if DISTRIBUTED:
 
     rule sweep_distributed:
         input:
-            plan="config/sweep_distributed.yaml",
+            plan=lambda wildcards: DISTRIBUTED_PLANS[f"results/{wildcards.sweep}/{wildcards.gpu}/peak_memory.parquet"],
             configs=CONFIGS,
         output:
-            peaks="results/distributed/peak_memory.parquet",
+            peaks="results/{sweep}/{gpu}/peak_memory.parquet",
+        wildcard_constraints:
+            sweep="distributed|distributed_heldout|distributed_8",
         log:
-            "logs/sweep_distributed.log",
+            "logs/sweep_{sweep}_{gpu}.log",
         resources:
             gpu=8,
         shell:

@@ -36,7 +36,24 @@ def test_closed_forms_shard_weights_gradients_and_state():
                    sharding="ddp")["components"]
     assert fsdp["parameters"] == one["parameters"] / 8 == 2 * n / 8
     assert fsdp["optimizer_state"] == one["optimizer_state"] / 8 and fsdp["activations"] == one["activations"]
-    assert ddp["gradients"] == 2 * one["gradients"] and ddp["parameters"] == one["parameters"]
+    # ddp: the Reducer's buckets, a second copy of the gradients made when the model is wrapped, held in every phase
+    assert ddp["ddp_buckets"] == ddp["gradients"] == one["gradients"] and ddp["parameters"] == one["parameters"]
+    ddp_peak = estimate(params=n, batch=1, seq=2048, precision="bf16", method="blog", num_gpus=8, sharding="ddp")
+    one_peak = estimate(params=n, batch=1, seq=2048, precision="bf16", method="blog")
+    assert ddp_peak["peak_bytes"] == one_peak["peak_bytes"] + one["gradients"]
+
+
+def test_the_formula_knows_what_fsdp2_gathers_and_pads():
+    """A mixture of experts past its experts' count of GPUs: FSDP2 shards the fused 3D expert weights on the
+    experts, padded to the GPUs, so each GPU keeps one expert's rows and gathers one per GPU; tensor parallelism
+    leaves the input embedding whole. The formula and the exact simulator (torch's own FSDP2) agree on both."""
+    mixtral = dict(model="mistralai/Mixtral-8x7B-v0.1", batch=1, seq=1024, precision="bf16", checkpointing=True)
+    eight = estimate(**mixtral, num_gpus=8, sharding="fsdp", method="formula")
+    sixty_four = estimate(**mixtral, num_gpus=64, sharding="fsdp", method="formula")
+    assert sixty_four["peak_bytes"] > 1.8 * eight["peak_bytes"]  # more GPUs, more memory each: the padding
+    assert sixty_four["components"]["weights_in_flight"] > 7 * eight["components"]["weights_in_flight"]
+    exact = estimate(**mixtral, num_gpus=64, sharding="fsdp", method="exact")
+    assert abs(sixty_four["peak_bytes"] / exact["peak_bytes"] - 1) < 0.05
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -49,6 +49,8 @@ FORMULA_QUESTIONS = [
     {"model": SMALL, "batch": 4, "seq": 1024, "weights_dtype": "bf16", "client": "sft", "num_gpus": 2,
      "sharding": "ddp", "gpu": "L4"},
     {**LLAMA_13B, "layouts": True, "num_gpus": 16},
+    {"model": SMALL, "batch": 4, "seq": 1024, "client": "trainer", "weights_dtype": "fp32",
+     "accelerate_config": ACCELERATE_FSDP, "gpu": "T4", "layouts": True},
     {**LLAMA_13B, "min_gpus": True, "num_gpus": 64},
     {"model": SMALL, "seq": 2048, "precision": "bf16", "gpu_memory_gib": 23.5, "max_batch_size": True},
     {"model": SMALL, "batch": 2, "precision": "fp32", "gpu": "T4", "max_seq_len": True},
@@ -189,8 +191,6 @@ BAD = [
     ({**LLAMA_13B, "accelerate_config": "/etc/passwd"}, "accelerate_config must be a JSON object"),
     ({**LLAMA_13B, "accelerate_config": {**ACCELERATE_FSDP, "num_processes": 5000}}, "num_processes 5000 is over"),
     ({**LLAMA_13B, "accelerate_config": {**ACCELERATE_FSDP, "fsdp_colour": 1}}, "unknown accelerate config key"),
-    ({**LLAMA_13B, "accelerate_config": ACCELERATE_FSDP, "layouts": True},
-     "accelerate_config is not taken with layouts or min_gpus"),
 ]
 
 

@@ -251,7 +251,7 @@ def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=N
 def layouts_answer(estimator, target, run, dev, fewest: bool, num_gpus: int | None) -> dict:
     """The layouts table (N = 1, 2, 4, ... up to `num_gpus`, default 8) or the fewest GPUs that fit, as JSON."""
     from pipeline.core.vocabulary import MAX_GPUS
-    from pipeline.estimate.layouts import doubling, fewest_gpus, layouts_table
+    from pipeline.estimate.layout_search import doubling, fewest_gpus, layouts_table
 
     base = {"method": estimator.name, "model_id": target.model_id, "parameters": target.parameters,
             "batch_size": run.batch, "seq_len": run.seq, "precision": run.precision, "client": run.client,
@@ -269,11 +269,12 @@ def layouts(model=None, config=None, params=None, *, batch=None, seq=None, preci
             attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
             gradient_accumulation=None, training_args=None, num_gpus=None, lora_r=None, lora_alpha=None,
             lora_targets=None, quantization=None, peft_config=None, liger_kernel=None, completion_share=None,
-            sft_config=None, weights_dtype=None, min_gpus=False) -> dict:
+            sft_config=None, weights_dtype=None, accelerate_config=None, min_gpus=False) -> dict:
     """The layouts that fit a GPU: a table of layouts (ddp, fsdp, fsdp-no-reshard; the loop also hsdp across nodes
     and tensor parallelism within one) for N = 1, 2, 4, ... up to `num_gpus` (default 8), each with its per-GPU
     peak, reserved bytes and verdict; with `min_gpus` the fewest GPUs that fit (doubling up to `num_gpus`, default
-    4096) and the best layout there. The other options are `estimate`'s; the layout is the table's to vary."""
+    4096) and the best layout there. The other options are `estimate`'s (an `accelerate_config` gives its mixed
+    precision and what it says of the clients); the layout is the table's to vary."""
     options = dict(locals(), num_gpus=None)
     dev = required_device(gpu, gpu_memory_gib)
     estimator, target, run, notes = prepared(_what(options), options, method, coefficients, dev)

@@ -196,7 +196,7 @@ def human_summary(result: dict) -> str:
 
 
 def layouts_summary(result: dict) -> str:
-    from pipeline.estimate.layouts import table_text
+    from pipeline.estimate.layout_search import table_text
 
     head = (f"{result['method']}: {result['model_id'] or result['parameters']} at B={result['batch_size']} per "
             f"data-parallel rank, L={result['seq_len']}, {result['precision']}, {result['client']}"

@@ -10,7 +10,7 @@ from pipeline.core.vocabulary import METHODS
 from pipeline.training.values import Estimate, Run, Target
 from pipeline.formulas.components import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, BLOG_NOTES, BLOG_P, MEASURED_LIKE,
                                           OUTSIDE_MAX, PEAK_FORMULAS, blog_a_bytes, blog_components, blog_peak,
-                                          heuristic_peak, shard_components, training_components)
+                                          WeightShape, heuristic_peak, shard_components, training_components)
 
 # Expandable segments map 20 MiB pages (large pool) and 2 MiB pages (small pool): a closed form's
 # reserved bytes are its peak plus at most one partly used page of each.
@@ -61,7 +61,7 @@ class ClosedFormEstimator(Estimator):
         if target.config is None:
             raise UserError("LoRA needs the model's shape (--model or --config): the adapters' size follows it")
         from pipeline.formulas.adapter_terms import adapter_components
-        from pipeline.formulas.features import read_facts
+        from pipeline.formulas.features import read_facts, weight_shape
 
         spec = run.adapter
         return adapter_components(components, read_facts(config_dict(target.config)), target.parameters,
@@ -81,8 +81,8 @@ class ClosedFormEstimator(Estimator):
         if per_batch <= 0:
             return None
         room = memory_bytes
-        for name in OUTSIDE_MAX[self.name]:
-            room -= one[name]
+        for name in (*OUTSIDE_MAX[self.name], "ddp_buckets"):
+            room -= one.get(name, 0.0)
         return max(1, int((room - (one["activations"] - per_batch)) // per_batch))
 
 
@@ -179,7 +179,7 @@ class HeuristicEstimator(FittedEstimator):
             return ""
         if target.config is None:
             return " SFTTrainer's fused LM head is not counted: without the model's shape the logits stay in A."
-        from pipeline.formulas.features import read_facts
+        from pipeline.formulas.features import read_facts, weight_shape
         from pipeline.formulas.fused_head import head_bytes
 
         facts = read_facts(config_dict(target.config))
@@ -220,7 +220,7 @@ class FormulaEstimator(FittedEstimator):
     def predict(self, target: Target, run: Run) -> Estimate:
         self.check_client(run)
         from pipeline.formulas.adapter_terms import activation_precision, lora_saved_bytes_per_token
-        from pipeline.formulas.features import read_facts
+        from pipeline.formulas.features import read_facts, weight_shape
         from pipeline.formulas.peak import closed_form_peak, peak_group, peak_of
         from pipeline.formulas.hook_features import hook_feature_values
 
@@ -243,7 +243,11 @@ class FormulaEstimator(FittedEstimator):
                 facts, spec.targets, run.precision, spec.quantization, run.checkpointing)
         if run.layout.sharded or run.adapter is not None:
             parts = self.with_adapter(result["components"], target, run)
-            result["components"] = sharded(parts, run)
+            shape = weight_shape(facts, target.parameters)
+            result["components"] = sharded(parts, run, shape, ACTIVATION_BYTES[trained_precision(run)])
+            if "gathered_weights" in result["components"] and run.checkpointing:
+                result["components"]["recompute"] = max(result["components"].get("recompute", 0.0), recomputed_layer(
+                    section["peak"], facts, run, precision))
             result["peak_bytes"], result["peak_phase"] = peak_of(result["components"])
         hook = section["hook_elements"]["coefficients"]
         elements = sum(hook.get(t, 0.0) * v for t, v in hook_feature_values(facts).items())
@@ -262,10 +266,20 @@ ESTIMATORS = {estimator.name: estimator for estimator in (BlogEstimator, Heurist
 assert tuple(ESTIMATORS) == METHODS
 
 
-def sharded(components: dict, run: Run) -> dict:
+def sharded(components: dict, run: Run, shape: WeightShape | None = None, gathered_bytes: int = 2) -> dict:
     """The closed forms' components on one GPU of the run's layout (`formulas.components.shard_components`)."""
     layout = run.layout
-    return shard_components(components, layout.sharding, layout.shards, layout.tensor_parallel)
+    return shard_components(components, layout.sharding, layout.shards, layout.tensor_parallel, shape, gathered_bytes)
+
+
+def recomputed_layer(peak_fits: dict, facts, run: Run, precision: str) -> float:
+    """Bytes of a checkpointed decoder layer recomputed and back-propagated (the formula's fit without
+    checkpointing, a tensor-parallel rank's share)."""
+    from pipeline.formulas.peak import mlp_backward_bytes, one_layer_bytes
+
+    per_token = one_layer_bytes(peak_fits, facts, run.seq, precision, run.attn_implementation) \
+        + mlp_backward_bytes(facts, precision)
+    return run.batch * run.seq * per_token / run.layout.tensor_parallel
 
 
 def trained_precision(run: Run) -> str:

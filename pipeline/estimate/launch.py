@@ -4,7 +4,7 @@ TrainingArguments or SFTConfig file, and an accelerate config file (`accelerate 
 
 FSDP is FSDP2 here (transformers' `fsdp_config` version 2, its default; accelerate's `fsdp_version: 2`):
 `full_shard` (or `reshard_after_forward: true`) is `fsdp`, `shard_grad_op` (`false`) is `fsdp-no-reshard`.
-What the simulator does not run is refused in one line (FSDP1, CPU offload, DeepSpeed, TPUs, fp8); what changes
+What the simulator does not run is refused in one line (FSDP1, CPU offload, DeepSpeed, TPUs, a mixed precision other than no, bf16, fp16); what changes
 no memory of a step (state-dict types, loading, prefetch knobs of FSDP1) is accepted; what changes memory in a
 way no estimator models is named in the answer's notes. Unknown keys are refused, so that a typo is not an
 answer to another question.

@@ -17,6 +17,9 @@ No torch, no numpy: a formula is usable without the measuring code.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 # Bytes per parameter (weights, gradients, optimizer state) and per activation element of a precision.
 from pipeline.core.vocabulary import ACTIVATION_BYTES, PRECISION_MODES, WEIGHT_BYTES
 
@@ -119,25 +122,78 @@ def training_components(parameters, activation_elements_per_token, batch, seq, p
     }
 
 
+@dataclass(frozen=True)
+class WeightShape:
+    """What FSDP2 and tensor parallelism see of a model's weights, in parameters: transformers' tensor-parallel
+    plans leave the input `embedding` whole on every rank and split the rest; FSDP2's root group (the embedding and
+    an untied head: `root`) stays gathered from the forward to the end of the backward; the fused 3D `experts`
+    weights ([experts, ...], transformers 5) are sharded on their first dimension, which FSDP2 pads to a multiple
+    of the shards: past `expert_count` shards each rank holds one expert's rows, and gathers one per shard."""
+    parameters: float
+    embedding: float = 0.0
+    root: float = 0.0
+    experts: float = 0.0
+    expert_count: int = 0
+    layers: int = 1
+
+    def held(self, shards: int, tensor_parallel: int = 1) -> float:
+        """Parameters one GPU holds between steps."""
+        rest = self.parameters - self.embedding - self.experts
+        experts = self.experts / tensor_parallel * self._padded(shards) / shards
+        return self.embedding / shards + rest / (shards * tensor_parallel) + experts
+
+    def unsharded(self, shards: int, tensor_parallel: int = 1) -> float:
+        """Parameters one GPU holds with every group gathered (fsdp-no-reshard between forward and backward)."""
+        rest = self.parameters - self.embedding - self.experts
+        return self.embedding + (rest + self.experts * self._padded(shards)) / tensor_parallel
+
+    def gathered(self, shards: int, tensor_parallel: int = 1) -> float:
+        """Parameters the root group holds gathered from the forward to the end of the backward under fsdp and
+        hsdp (the embedding whole, an untied head split by tensor parallelism)."""
+        return self.embedding + (self.root - self.embedding) / tensor_parallel
+
+    def layer(self, shards: int, tensor_parallel: int = 1) -> float:
+        """Parameters of one decoder layer's all-gather (or reduce-scatter) on one GPU, FSDP2's padding included."""
+        rest = max(self.parameters - self.root - self.experts, 0.0)
+        return (rest + self.experts * self._padded(shards)) / max(self.layers, 1) / tensor_parallel
+
+    def _padded(self, shards: int) -> float:
+        """The fused experts' all-gathered size over their own (1 unless FSDP2 pads the expert dimension)."""
+        if not self.expert_count:
+            return 1.0
+        return shards * math.ceil(self.expert_count / shards) / self.expert_count
+
+
 def shard_components(components: dict, sharding: str | None = None, shards: int = 1,
-                     tensor_parallel: int = 1) -> dict:
+                     tensor_parallel: int = 1, shape: WeightShape | None = None, gathered_bytes: int = 2) -> dict:
     """One GPU's components under a layout (closed forms; the exact estimator runs the real DDP / FSDP2 /
-    tensor-parallel code): weights, gradients, optimizer state and the step's temporaries are split over the
-    `shards` of FSDP2 (hsdp: its shard group; ddp: 1) and the `tensor_parallel` ranks of tensor parallelism (the
-    activations it splits are the formula's, `peak.closed_form_peak`); ddp adds the gradient buckets allreduce
-    reads (a second copy of the gradients); fsdp-no-reshard also keeps the gathered weights from the forward to
-    the backward, beside the activations. FSDP's all-gather buffers of the layers in flight (a layer or two)
-    are left out."""
+    tensor-parallel code): weights, gradients, optimizer state and the step's temporaries are the share of the
+    weights one GPU holds (`WeightShape.held`: split over the `shards` of FSDP2 (hsdp: its shard group; ddp: 1) and
+    the `tensor_parallel` ranks; the activations tensor parallelism splits are the formula's,
+    `peak.closed_form_peak`); ddp adds the gradient buckets allreduce reads (a second copy of the gradients);
+    fsdp-no-reshard keeps every gathered weight from the forward to the backward, beside the shards and the
+    activations; fsdp and
+    hsdp hold `gathered_weights` (the root group's and the layer being back-propagated, `gathered_bytes` per
+    element: the dtype they are gathered in) and, during a layer's backward, `weights_in_flight` (the next layer's
+    all-gather and this one's reduce-scatter input, in the gradients' dtype): `peak.peak_of` places them. Without
+    a `shape` (the blog's and the heuristic's, which know only N) the weights are one even block and nothing is
+    counted gathered."""
     if sharding is None and tensor_parallel == 1:
         return components
     parts = dict(components)
-    split = shards * tensor_parallel
+    exact_shape = shape is not None
+    shape = shape or WeightShape(1.0)
+    held = shape.held(shards, tensor_parallel) / shape.parameters
     for name in ("parameters", "gradients", "optimizer_state", "optimizer_intermediates"):
-        parts[name] = components[name] / split
+        parts[name] = components[name] * held
     if sharding == "ddp":
-        parts["gradients"] *= 2
+        parts["ddp_buckets"] = parts["gradients"]
     if sharding == "fsdp-no-reshard":
-        parts["activations"] += components["parameters"] / tensor_parallel * (1 - 1 / shards)
+        parts["activations"] += components["parameters"] * shape.unsharded(shards, tensor_parallel) / shape.parameters
+    elif shards > 1 and exact_shape:
+        layer = shape.layer(shards, tensor_parallel)
+        parts["gathered_weights"] = (shape.gathered(shards, tensor_parallel) + layer) * gathered_bytes
+        parts["weights_in_flight"] = layer * (gathered_bytes + components["gradients"] / shape.parameters)
     return parts
 
 
@@ -156,7 +212,8 @@ def blog_components(parameters, batch, seq, precision, optimizer="adamw", checkp
 
 def blog_peak(c: dict) -> float:
     """The blog's total: weights + state + max(gradients + optimizer intermediates, activations)."""
-    return c["parameters"] + c["optimizer_state"] + max(c["gradients"] + c["optimizer_intermediates"], c["activations"])
+    return c["parameters"] + c["optimizer_state"] + c.get("ddp_buckets", 0.0) \
+        + max(c["gradients"] + c["optimizer_intermediates"], c["activations"])
 
 
 def heuristic_peak(c: dict) -> float:
@@ -166,7 +223,8 @@ def heuristic_peak(c: dict) -> float:
     state + gradients + intermediates, as the blog says), the others in the backward, where the
     gradients pile up while the activations are still alive; so gradients count in both branches.
     """
-    return c["parameters"] + c["optimizer_state"] + c["gradients"] + max(c["optimizer_intermediates"], c["activations"])
+    return c["parameters"] + c["optimizer_state"] + c.get("ddp_buckets", 0.0) + c["gradients"] \
+        + max(c["optimizer_intermediates"], c["activations"])
 
 
 # The components each peak adds outside its max(): what the activations branch must leave room for.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.formulas.components import WeightShape
 from pipeline.formulas.mixers import Mixer, layer_pattern, positive, read_mixer, whole
 from pipeline.inputs.aliases import FIELDS, names_of
 
@@ -544,6 +545,19 @@ def parameter_count(facts: Facts) -> tuple[int, int]:
     total += facts.moe_layers * (moe + facts.experts * expert)
     active = total - facts.moe_layers * (facts.experts - facts.top_k) * expert
     return int(total), int(active)
+
+
+def weight_shape(facts: Facts, parameters: float) -> WeightShape:
+    """The model's weights as FSDP2 and tensor parallelism split them (`components.WeightShape`)."""
+    width = facts.embed_width or facts.hidden
+    embedding = facts.vocab * width
+    head = 0 if facts.tied else facts.vocab * width
+    experts = 0
+    if facts.experts:
+        matrices = 3 if facts.gated else 2
+        experts = facts.moe_layers * facts.experts * matrices * facts.hidden * facts.moe_intermediate
+    return WeightShape(parameters, embedding, embedding + head, min(experts, parameters), facts.experts,
+                       facts.layers)
 
 
 def _per_layer_input_parameters(facts: Facts) -> int:

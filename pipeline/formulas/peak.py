@@ -120,10 +120,17 @@ def branches(facts, parameters, batch: int, seq: int, precision: str, optimizer:
 
 def peak_of(parts: dict) -> tuple[float, str]:
     """max(optimizer branch, backward branch); with `recompute` (a checkpointed layer in its backward, the
-    sft formula's), the optimizer branch's temporaries are at least that layer."""
-    fixed = parts["parameters"] + parts["optimizer_state"] + parts["workspaces"]
-    optimizer = fixed + parts["gradients"] + max(parts["optimizer_intermediates"], parts.get("recompute", 0.0))
-    backward = fixed + parts["activations"] + parts["loss_backward"]
+    sft formula's), the optimizer branch's temporaries are at least that layer. Under FSDP2 (`gathered_weights`,
+    `weights_in_flight`: `components.shard_components`) the backward branch holds the gathered weights and, at its
+    worst, either the loss's gradients or a layer's recompute with the weights in flight; late in the backward
+    (nearly every gradient reduced) the gradients branch holds them too."""
+    fixed = parts["parameters"] + parts["optimizer_state"] + parts["workspaces"] + parts.get("ddp_buckets", 0.0)
+    recompute = parts.get("recompute", 0.0)
+    gathered = parts.get("gathered_weights", 0.0)
+    layer = recompute + parts.get("weights_in_flight", 0.0)
+    late = gathered + layer if gathered else recompute
+    optimizer = fixed + parts["gradients"] + max(parts["optimizer_intermediates"], late)
+    backward = fixed + parts["activations"] + gathered + max(parts["loss_backward"], layer if gathered else 0.0)
     return (backward, "backward") if backward > optimizer else (optimizer, "optimizer")
 
 

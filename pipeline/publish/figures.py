@@ -25,6 +25,7 @@ FIGURES = {
     "formula_residuals_by_family": ("coefficients.json",),
     "full_vs_lora_vs_qlora": ("peak_memory.parquet", "lora/h100/peak_memory.parquet"),
     "trainer_vs_sft": ("sft/h100/peak_memory.parquet",),
+    "several_gpus": ("settings_validation.parquet", "layouts/formula_vs_exact.parquet"),
 }
 SFT_MODELS = ("Qwen/Qwen2.5-0.5B", "meta-llama/Llama-3.2-1B")  # the Trainer and SFTTrainer of config/sweep_sft.yaml
 ADAPTER_MODELS = ("Qwen/Qwen3-0.6B", "meta-llama/Llama-3.2-1B", "google/gemma-2-2b", "meta-llama/Llama-3.2-3B")
@@ -488,6 +489,60 @@ def draw_saved_bytes_vs_seq_len(results_dir: Path):
     return figure
 
 
+LAYOUT_COLOURS = {"ddp": "tab:blue", "fsdp": "tab:orange", "fsdp-no-reshard": "tab:red", "hsdp": "tab:green",
+                  "fsdp+tp": "tab:purple", "tp": "tab:brown"}
+LAYOUT_MODEL = "meta-llama/Llama-3.1-70B"
+
+
+def draw_several_gpus(results_dir: Path):
+    """Measured several-GPU peaks against the exact simulator and the formula (per GPU, every rank a point), and
+    one model's per-GPU peak on layouts beyond one node (both simulated)."""
+    import matplotlib.pyplot as plt
+
+    rows = read(results_dir, "settings_validation.parquet")
+    rows = rows[(rows["layout"] != "1 GPU") & (rows["status"] == "ok") & rows["predicted_peak_bytes"].notna()]
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.6), layout="constrained")
+    for ax, estimator in zip(axes[:2], ("exact", "formula")):
+        part = rows[rows["estimator"] == estimator]
+        if part.empty:
+            no_data(ax, f"no several-GPU rows for {estimator}")
+            continue
+        for layout, group in part.groupby("layout"):
+            for split, filled in (("tuned", True), ("held-out", False)):
+                points = group[group["split"] == split]
+                colour = LAYOUT_COLOURS.get(layout, "grey")
+                ax.scatter(points["measured_peak_bytes"] / 2**30, points["predicted_peak_bytes"] / 2**30, s=18,
+                           facecolors=colour if filled else "none", edgecolors=colour,
+                           label=f"{layout} ({split})" if len(points) else None)
+        top = max(part["measured_peak_bytes"].max(), part["predicted_peak_bytes"].max()) / 2**30 * 1.05
+        ax.plot([0, top], [0, top], color="black", lw=0.8)
+        errors = part["relative_error"].abs()
+        ax.set(xlabel="measured peak allocated per GPU (GiB)", ylabel="predicted (GiB)",
+               title=f"{estimator}: median |error| {100 * errors.median():.2f}%, worst {100 * errors.max():.1f}%")
+        ax.grid(True, alpha=0.25)
+        ax.legend(fontsize=6)
+    draw_layouts_panel(axes[2], read(results_dir, "layouts/formula_vs_exact.parquet"))
+    figure.suptitle("Several GPUs: the Trainer, SFT, DPO and the loop under DDP, FSDP2, HSDP and tensor parallelism "
+                    "(measured on 2 and 4 H200s; filled: tuned, open: held-out)")
+    return figure
+
+
+def draw_layouts_panel(ax, table) -> None:
+    """Per-GPU peak of LAYOUT_MODEL on each simulated layout: the exact simulator's bar, the formula's mark."""
+    rows = table[(table["model_id"] == LAYOUT_MODEL)].dropna(subset=["exact_peak_bytes"])
+    if rows.empty:
+        no_data(ax, f"no simulated layouts of {LAYOUT_MODEL}")
+        return
+    labels = [label.replace(" GPUs, ", "\n").replace("replicas x", "x") for label in rows["layout"]]
+    positions = range(len(rows))
+    ax.bar(positions, rows["exact_peak_bytes"] / 2**30, color="tab:grey", label="exact simulator")
+    ax.scatter(positions, rows["formula_peak_bytes"] / 2**30, color="tab:red", marker="_", s=200, label="formula")
+    ax.axhline(80e9 / 2**30, color="black", lw=0.8, ls="--", label="80 GB")
+    ax.set_xticks(list(positions), labels, fontsize=6, rotation=60, ha="right")
+    ax.set(ylabel="peak allocated per GPU (GiB)", title=f"{LAYOUT_MODEL}, full fine-tune, bf16, B=1, L=4096 (simulated)")
+    ax.legend(fontsize=7)
+
+
 DRAWERS = {
     "activations_vs_parameters": draw_activations_vs_parameters,
     "residuals_by_family": draw_residuals_by_family,
@@ -498,6 +553,7 @@ DRAWERS = {
     "formula_residuals_by_family": draw_formula_residuals_by_family,
     "full_vs_lora_vs_qlora": draw_full_vs_lora_vs_qlora,
     "trainer_vs_sft": draw_trainer_vs_sft,
+    "several_gpus": draw_several_gpus,
 }
 
 

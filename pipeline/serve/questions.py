@@ -102,7 +102,7 @@ def check(question) -> dict:
 def check_layouts_question(q: dict) -> None:
     """A field `pipeline.estimate.layouts` does not take is refused (the layout fields are the table's);
     min_gpus searches up to num_gpus, by default the server's limit."""
-    from pipeline.estimate.api import layouts  # `pipeline.estimate.layouts` is the submodule once it is imported
+    from pipeline.estimate import layouts
 
     taken = inspect.signature(layouts).parameters
     for name in q:
@@ -200,7 +200,7 @@ def answer(q: dict) -> dict:
 def layouts_answer(q: dict) -> dict:
     """`pipeline.estimate.layouts` of the question: the table for N = 1, 2, 4, ... up to num_gpus, or the fewest
     GPUs that fit (`min_gpus`); the layout fields are the table's to vary, as `--layouts` drops them."""
-    from pipeline.estimate.api import layouts  # `pipeline.estimate.layouts` is the submodule once it is imported
+    from pipeline.estimate import layouts
 
     kwargs = {name: value for name, value in q.items() if name not in (*LAYOUT_FIELDS, *SEARCHES)}
     return layouts(**kwargs, min_gpus=bool(q.get("min_gpus")))

@@ -8,7 +8,7 @@ the server's event loop and the formula's answers free (a second core), a simula
 past the time limit can be stopped (the process is killed and a fresh one started), and a crash
 costs one answer, not the server. Questions queue on a lock in the order they came.
 
-The exact layouts table simulates its layouts in processes of its own (`estimate.layouts.layouts_table`): the
+The exact layouts table simulates its layouts in processes of its own (`estimate.layout_search.layouts_table`): the
 worker is therefore not a daemon (a daemon may not start processes) and leads a process group of its own, so
 that stopping it stops them too.
 """

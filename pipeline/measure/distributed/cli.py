@@ -17,7 +17,7 @@ def add_cli(subparsers) -> None:
 
     parser = subparsers.add_parser("measure-distributed",
                                    help="measure the loop and the Trainer clients on several GPUs (torchrun)")
-    parser.add_argument("--plan", default=REPO_ROOT / "config" / "sweep_distributed.yaml")
+    parser.add_argument("--plan", default=REPO_ROOT / "config" / "sweep_distributed_clients.yaml")
     parser.add_argument("--out", default=RESULTS / "distributed" / "peak_memory.parquet")
     parser.add_argument("--config", help="a config.json instead of the plan's model ids (tests)")
     parser.add_argument("--devices", type=positive_int, help="GPUs to use (default: all; ranks on the CPU without)")

@@ -76,6 +76,23 @@ COLUMNS = {
     "lora_targets": ("", "modules given LoRA adapters: all-linear or module names joined by commas"),
     "quantization": ("", "QLoRA base: nf4 (4-bit) or int8 (8-bit) by bitsandbytes; empty: not quantized"),
     "trainable_parameters": ("parameters", "parameters that train (the adapters'; N for full fine-tuning)"),
+    "num_gpus": ("count", "GPUs of the run (N; 1: one GPU); every peak is one GPU's"),
+    "sharding": ("", "how the data-parallel GPUs hold the model: ddp, fsdp (FSDP2, resharding after the forward), "
+                     "fsdp-no-reshard, hsdp (FSDP2 over a shard group, replicated across groups); empty: one GPU or "
+                     "tensor parallelism alone"),
+    "shard_group": ("count", "hsdp: GPUs one copy of the model is sharded over (empty elsewhere)"),
+    "tensor_parallel": ("count", "GPUs each layer's matrices are split over (transformers' tensor-parallel plan; 1: none)"),
+    "rank": ("", "the GPU's rank in the run (every rank measured is a row)"),
+    "layout": ("", "the run's layout by name: 1 GPU, ddp, fsdp, fsdp-no-reshard, hsdp, fsdp+tp or tp"),
+    "nvml_context_bytes": ("bytes", "NVML's used memory of the process before the model was built: the CUDA context "
+                                    "and, on several GPUs, NCCL's communicators"),
+    "nvml_train_end_bytes": ("bytes", "NVML's used memory of the process after the last step"),
+    "reserved_train_end_bytes": ("bytes", "torch.cuda.memory_reserved() after the last step"),
+    "reserved_by_stream": ("", "JSON: peak reserved bytes of each CUDA stream's pool (FSDP2's all-gather and "
+                               "reduce-scatter streams hold their own)"),
+    "exact_peak_bytes": ("bytes", "per-GPU peak allocated predicted by the exact simulator (simulated)"),
+    "exact_git_commit": ("", "commit of the code whose exact simulator gave exact_peak_bytes"),
+    "formula_peak_bytes": ("bytes", "per-GPU peak allocated predicted by the closed-form formula"),
     "split": ("", "tuned (plans the simulator and formulas may be tuned on) or held-out (models nobody tuned on)"),
     "setting": ("", "full (fine-tuning), lora or qlora"),
     "optimizer": ("", "optimizer of the training step (adamw: torch.optim.AdamW defaults)"),
@@ -193,6 +210,8 @@ SUBSET_COLUMNS: dict[tuple[str, str], tuple[str, str]] = {
     ("coefficients", "batch_size"): ("sequences", "B of the saved-for-backward counts the fit used"),
     ("coefficients", "seq_len"): ("tokens", "L of the saved-for-backward counts the fit used"),
     ("coefficients", "precision"): ("", "precision of the saved-for-backward counts (empty for hook fits)"),
+    ("layouts", "part"): ("", "tuned (shaped the formula's layout terms), held-out, or held-out after the fix (run for "
+                              "the first time after the one change the held-out part led to)"),
 }
 
 

@@ -22,11 +22,15 @@ SUBSETS = {
     "training_settings": ("trainer/h100/peak_memory.parquet",
                           "one row per measured point of the settings beyond the standard step (transformers.Trainer "
                           "and its optimizers, amp-fp16, LoRA, QLoRA, TRL's SFTTrainer and DPOTrainer, bf16-autocast, Liger, "
-                          "the 2025-26 architectures), each GPU's and plan's tables joined, with "
-                          "their split (tuned / held-out)"),
+                          "the 2025-26 architectures; on several GPUs under DDP, FSDP2, HSDP and tensor parallelism, "
+                          "one row per rank, with num_gpus, sharding, shard_group, tensor_parallel), each GPU's and "
+                          "plan's tables joined, with their split (tuned / held-out)"),
     "settings_validation": ("settings_validation.parquet",
                             "one row per training-settings point x estimator: predicted against measured peak "
                             "allocated and reserved, and the fit verdict"),
+    "layouts": ("layouts/formula_vs_exact.parquet",
+                "one row per model x layout beyond one node (8 to 1,024 GPUs: FSDP2, HSDP, tensor parallelism): "
+                "the per-GPU peak by the exact simulator and by the formula (simulated, not measured), with its split"),
 }
 
 

@@ -1,5 +1,5 @@
-"""`distributed_peak`: the per-GPU (rank 0) peak of the standard training step under DDP or
-FSDP2 on N GPUs, without GPUs and without weights.
+"""`distributed_peak`: the per-GPU (rank 0's; every rank measured equal) peak of the standard training step
+under DDP, FSDP2, HSDP and tensor parallelism on N GPUs, without GPUs and without weights.
 
 The real torch sharding code runs on the model built on the meta device, in one process, with a
 fake process group of N ranks (`world.fake_world`: collectives return at once, as in
@@ -8,12 +8,13 @@ its device set to "meta" (`world.meta_fsdp`, which says why this way and not wit
 FakeTensorMode), so every buffer (sharded parameters, all-gather outputs, unsharded parameters,
 reduce-scatter inputs, the sharded gradients) is made and freed by FSDP2's own code; DDP's
 gradient buckets (bucket_cap_mb 25, the first bucket 1 MiB, rebuilt in the second step) by its
-Reducer. The simulator's tracker and allocator replay count them as on the single GPU
-(`pipeline.simulate.step`), and the CPU check (`check`) runs the same step for real
-with gloo on N processes.
+Reducer. The simulator's tracker and allocator replay count them as on the single GPU, each CUDA
+stream's blocks in a pool of its own (FSDP2's all-gather and reduce-scatter streams keep theirs), and the
+CPU check (`check`) runs the same step for real with gloo on N processes.
 
-Modules: `world` (fake process group, FSDP2 on meta, sharding), `tracker`
-(DTensors, resized storages, roles), `step` (the three steps), `check`.
+Modules: `world` (fake process group, FSDP2 on meta, sharding), `tracker` (DTensors, resized storages,
+roles), `step` (the three steps), `clients` (the Trainer clients under accelerate), `traced`
+(`pipeline.trace(world_size=N)`), `check`.
 """
 
 from __future__ import annotations
