@@ -42,7 +42,6 @@ lora_target_modules: [q_proj, v_proj]
 optim: adamw_torch
 packing: true
 padding_free: true
-deepspeed: ds.json
 output_dir: out
 """
 
@@ -54,10 +53,18 @@ def test_sft_config_file_sets_the_run(tmp_path):
     assert (run.adapter.r, run.adapter.alpha, run.adapter.targets, run.adapter.quantization) == (8, 16, "q_proj,v_proj",
                                                                                              None)
     assert notes == ["sft config: packing (several sequences per row; with padding_free, no padding and no attention "
-                     "mask) is not modelled", "sft config: padding-free batches is not modelled",
-                     "sft config: DeepSpeed is not modelled"]
+                     "mask) is not modelled", "sft config: padding-free batches is not modelled"]
     run, _ = make_run(batch=2, seq=512, checkpointing=False, sft_config=write(tmp_path / "sft.yaml", SFT_YAML))
     assert (run.batch, run.seq, run.checkpointing) == (2, 512, False)  # explicit options win
+
+
+def test_a_deepspeed_config_is_refused_in_one_line(tmp_path):
+    """DeepSpeed shards what the answer would count whole: refused, not answered with a note."""
+    with pytest.raises(UserError, match=r"^.*sft.yaml: DeepSpeed is not simulated yet \(ddp and FSDP2 are\)"):
+        make_run(sft_config=write(tmp_path / "sft.yaml", SFT_YAML + "deepspeed: ds.json\n"))
+    with pytest.raises(UserError, match="DeepSpeed is not simulated yet"):
+        make_run(training_args={"per_device_train_batch_size": 2, "bf16": True, "deepspeed": {"zero_optimization":
+                                                                                             {"stage": 3}}})
 
 
 def test_sft_config_defaults_are_trls(tmp_path):

@@ -30,7 +30,6 @@ FLAGS = ("bf16", "fp16", "gradient_checkpointing", "use_liger_kernel", "use_peft
 UNMODELLED = {
     "packing": "packing (several sequences per row; with padding_free, no padding and no attention mask)",
     "padding_free": "padding-free batches",
-    "deepspeed": "DeepSpeed",
     "torch_compile": "torch.compile",
     "activation_offloading": "activation offloading",
     "gradient_checkpointing_kwargs": "gradient checkpointing arguments",

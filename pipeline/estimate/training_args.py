@@ -12,7 +12,6 @@ from pipeline.core.text import short
 
 # Arguments that change memory in ways no estimator models: named in the answer's notes.
 UNMODELLED = {
-    "deepspeed": "DeepSpeed",
     "torch_compile": "torch.compile",
     "optim_args": "optimizer arguments (optim_args)",
     "gradient_checkpointing_kwargs": "gradient checkpointing arguments",
@@ -43,9 +42,12 @@ def read_training_args(source) -> dict:
 
 def with_fsdp(settings: dict, args: dict, label: str) -> None:
     """The sharding a training file's `fsdp` / `fsdp_config` keys launch (`estimate.launch.fsdp_settings`), in
-    `settings` (FSDP's activation checkpointing too; its notes added)."""
+    `settings` (FSDP's activation checkpointing too; its notes added); its `deepspeed` key is refused."""
     from pipeline.estimate.launch import fsdp_settings
 
+    if args.get("deepspeed") not in (None, False, "", [], {}):
+        raise UserError(f"{label}: DeepSpeed is not simulated yet (ddp and FSDP2 are): drop its deepspeed key to "
+                        "ask without it")
     fsdp = fsdp_settings(args.get("fsdp"), args.get("fsdp_config"), label)
     settings["notes"] += fsdp.pop("notes", [])
     if fsdp.get("checkpointing"):
