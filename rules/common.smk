@@ -140,16 +140,19 @@ def simulated_inputs(wildcards):
     return {"simulated": SIMULATED} if SIMULATE != "off" else {}
 
 
+# Committed tables some figures draw (measured, or made by a benchmark script), under results/.
+FIGURE_TABLES = ("lora/h100/peak_memory.parquet", "sft/h100/peak_memory.parquet", "layouts/formula_vs_exact.parquet")
+
+
 def available_results():
     """File names under results/ that exist or will be made by this run."""
     names = {"configs.json", "models.parquet", "activations.parquet", "coefficients.json"}
     if HAVE_PEAKS:
         names |= {"peak_memory.parquet", "validation.parquet"}
-    names |= {name for name in ("lora/h100/peak_memory.parquet",) if Path("results", name).exists()}
+    if HAVE_SETTINGS:
+        names.add("settings_validation.parquet")
+    names |= {name for name in FIGURE_TABLES if Path("results", name).exists()}
     return names
-
-
-FIGURES = expected_figures(available_results())
 
 
 def figure_path(name):
@@ -168,6 +171,7 @@ DISTRIBUTED_PLANS = {
 # The measured training-settings tables (committed; measured with `sweep --plan config/sweep_trainer*.yaml`).
 SETTINGS_PRESENT = [path for path in SETTINGS_TABLES if Path(path).exists()]
 HAVE_SETTINGS = bool(SETTINGS_PRESENT) and (SIMULATE == "run" or Path(SETTINGS_SIMULATED).exists())
+FIGURES = expected_figures(available_results())
 
 
 def final_outputs():

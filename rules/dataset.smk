@@ -12,6 +12,7 @@ rule dataset:
         validation_summary=VALIDATION_SUMMARY if HAVE_PEAKS else [],
         figures=[figure_path(name) for name in FIGURES],
         settings=SETTINGS_PRESENT + [SETTINGS_VALIDATION] if HAVE_SETTINGS else [],
+        layouts=[path for path in ["results/layouts/formula_vs_exact.parquet"] if Path(path).exists()],
     output:
         card=DATASET_CARD,
     params:

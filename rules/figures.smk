@@ -7,6 +7,8 @@ rule figures:
         activations=ACTIVATIONS,
         coefficients=COEFFICIENTS,
         validation=VALIDATION if HAVE_PEAKS else [],
+        settings_validation=SETTINGS_VALIDATION if HAVE_SETTINGS else [],
+        tables=[f"results/{name}" for name in FIGURE_TABLES if Path("results", name).exists()],
     output:
         **{
             name: report(

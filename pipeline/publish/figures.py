@@ -501,7 +501,7 @@ def draw_several_gpus(results_dir: Path):
 
     rows = read(results_dir, "settings_validation.parquet")
     rows = rows[(rows["layout"] != "1 GPU") & (rows["status"] == "ok") & rows["predicted_peak_bytes"].notna()]
-    figure, axes = plt.subplots(1, 3, figsize=(15, 4.6), layout="constrained")
+    figure, axes = plt.subplots(1, 3, figsize=(16, 5.4), layout="constrained")
     for ax, estimator in zip(axes[:2], ("exact", "formula")):
         part = rows[rows["estimator"] == estimator]
         if part.empty:
@@ -518,7 +518,7 @@ def draw_several_gpus(results_dir: Path):
         ax.plot([0, top], [0, top], color="black", lw=0.8)
         errors = part["relative_error"].abs()
         ax.set(xlabel="measured peak allocated per GPU (GiB)", ylabel="predicted (GiB)",
-               title=f"{estimator}: median |error| {100 * errors.median():.2f}%, worst {100 * errors.max():.1f}%")
+               title=f"{estimator}: median |error| {100 * errors.median():.2f}%,\nworst {100 * errors.max():.1f}%")
         ax.grid(True, alpha=0.25)
         ax.legend(fontsize=6)
     draw_layouts_panel(axes[2], read(results_dir, "layouts/formula_vs_exact.parquet"))
@@ -539,7 +539,8 @@ def draw_layouts_panel(ax, table) -> None:
     ax.scatter(positions, rows["formula_peak_bytes"] / 2**30, color="tab:red", marker="_", s=200, label="formula")
     ax.axhline(80e9 / 2**30, color="black", lw=0.8, ls="--", label="80 GB")
     ax.set_xticks(list(positions), labels, fontsize=6, rotation=60, ha="right")
-    ax.set(ylabel="peak allocated per GPU (GiB)", title=f"{LAYOUT_MODEL}, full fine-tune, bf16, B=1, L=4096 (simulated)")
+    ax.set(ylabel="peak allocated per GPU (GiB)", title=f"{LAYOUT_MODEL.split('/')[-1]}: full fine-tune, bf16,\n"
+           "B=1, L=4096, checkpointing (simulated)")
     ax.legend(fontsize=7)
 
 
