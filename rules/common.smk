@@ -141,7 +141,8 @@ def simulated_inputs(wildcards):
 
 
 # Committed tables some figures draw (measured, or made by a benchmark script), under results/.
-FIGURE_TABLES = ("lora/h100/peak_memory.parquet", "sft/h100/peak_memory.parquet", "layouts/formula_vs_exact.parquet")
+FIGURE_TABLES = ("lora/h100/peak_memory.parquet", "sft/h100/peak_memory.parquet", "layouts/formula_vs_exact.parquet",
+                 "layouts/peak_vs_gpus.parquet")
 
 
 def available_results():

@@ -32,6 +32,15 @@ def checkout_state() -> dict:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()}
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Tests marked `forks` run first. A process that ran DTensor's or FSDP2's backward (every sharded simulation
+    does, on the fake process group) has torch mark its forks bad: a forked child's autograd then refuses to run
+    ("Unable to handle autograd's threading in combination with fork-based multiprocessing"). The measuring
+    children of the sweep are forked from a parent that never simulates; in one test session they are forked
+    from pytest itself, so they go before any test that simulates several GPUs."""
+    items.sort(key=lambda item: item.get_closest_marker("forks") is None)
+
+
 def pytest_sessionstart(session):
     session.config.checkout_state = checkout_state()
 

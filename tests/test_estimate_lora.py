@@ -69,7 +69,8 @@ def test_closed_forms_freeze_and_quantize_the_base():
     (dict(lora_r=0), "must be a positive integer"),
     (dict(lora_r=16, quantization="fp8"), "quantization 'fp8' is not one of"),
     (dict(lora_alpha=8), "need --lora-r"),
-    (dict(lora_r=8, num_gpus=2, sharding="fsdp"), "full fine-tuning only"),
+    (dict(lora_r=8, num_gpus=2, sharding="fsdp"), "the loop.s sharded step is full fine-tuning; adapters on several "
+                                                  "GPUs run with the trainer, sft and dpo clients"),
 ])
 def test_bad_lora_options_are_one_line_errors(options, message):
     with pytest.raises(UserError, match=message):

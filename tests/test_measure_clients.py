@@ -23,6 +23,8 @@ from pipeline.core.errors import UserError
 from pipeline.training.points import COLUMNS, POINT_KEY
 from pipeline.training.step import Setting
 
+pytestmark = pytest.mark.forks  # measuring children forked from this process (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHIA = "EleutherAI/pythia-14m"
 TINY = "test/tiny-llama"

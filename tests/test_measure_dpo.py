@@ -13,6 +13,8 @@ from test_measure_sft import ADAPTERS, TINY, tiny_cpu_sweep
 
 from pipeline.training.points import POINT_KEY
 
+pytestmark = pytest.mark.forks  # measuring children forked from this process (tests/conftest.py)
+
 pytest.importorskip("trl")
 
 

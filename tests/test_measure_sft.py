@@ -19,6 +19,8 @@ from pipeline.measure import sweep
 from pipeline.training.points import POINT_KEY
 from pipeline.training.step import Setting
 
+pytestmark = pytest.mark.forks  # measuring children forked from this process (tests/conftest.py)
+
 pytest.importorskip("trl")
 
 REPO = Path(__file__).resolve().parent.parent

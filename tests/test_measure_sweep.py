@@ -26,6 +26,8 @@ from pipeline.training.points import COLUMN_DTYPES, COLUMNS, POINT_KEY
 from pipeline.training.step import Setting
 from pipeline.measure.cli import main
 
+pytestmark = pytest.mark.forks  # measuring children forked from this process (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parent.parent
 SMALL_REGISTRY = REPO / "tests" / "data" / "models_small.yaml"
 TINY = "test/tiny-llama"  # context 64

@@ -18,6 +18,8 @@ from pipeline.core.errors import UserError
 from pipeline.training.step import Setting
 from pipeline.training.points import POINT_KEY
 
+pytestmark = pytest.mark.forks  # measuring children forked from this process (tests/conftest.py)
+
 TINY = "test/tiny-llama"
 TINY_LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

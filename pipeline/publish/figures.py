@@ -25,7 +25,7 @@ FIGURES = {
     "formula_residuals_by_family": ("coefficients.json",),
     "full_vs_lora_vs_qlora": ("peak_memory.parquet", "lora/h100/peak_memory.parquet"),
     "trainer_vs_sft": ("sft/h100/peak_memory.parquet",),
-    "several_gpus": ("settings_validation.parquet", "layouts/formula_vs_exact.parquet"),
+    "several_gpus": ("settings_validation.parquet", "layouts/formula_vs_exact.parquet", "layouts/peak_vs_gpus.parquet"),
 }
 SFT_MODELS = ("Qwen/Qwen2.5-0.5B", "meta-llama/Llama-3.2-1B")  # the Trainer and SFTTrainer of config/sweep_sft.yaml
 ADAPTER_MODELS = ("Qwen/Qwen3-0.6B", "meta-llama/Llama-3.2-1B", "google/gemma-2-2b", "meta-llama/Llama-3.2-3B")
@@ -501,7 +501,8 @@ def draw_several_gpus(results_dir: Path):
 
     rows = read(results_dir, "settings_validation.parquet")
     rows = rows[(rows["layout"] != "1 GPU") & (rows["status"] == "ok") & rows["predicted_peak_bytes"].notna()]
-    figure, axes = plt.subplots(1, 3, figsize=(16, 5.4), layout="constrained")
+    figure, grid = plt.subplots(2, 2, figsize=(14, 10), layout="constrained")
+    axes = grid.ravel()
     for ax, estimator in zip(axes[:2], ("exact", "formula")):
         part = rows[rows["estimator"] == estimator]
         if part.empty:
@@ -521,10 +522,38 @@ def draw_several_gpus(results_dir: Path):
                title=f"{estimator}: median |error| {100 * errors.median():.2f}%,\nworst {100 * errors.max():.1f}%")
         ax.grid(True, alpha=0.25)
         ax.legend(fontsize=6)
-    draw_layouts_panel(axes[2], read(results_dir, "layouts/formula_vs_exact.parquet"))
+    draw_peak_vs_gpus_panel(axes[2], read(results_dir, "layouts/peak_vs_gpus.parquet"), rows)
+    draw_layouts_panel(axes[3], read(results_dir, "layouts/formula_vs_exact.parquet"))
     figure.suptitle("Several GPUs: the Trainer, SFT, DPO and the loop under DDP, FSDP2, HSDP and tensor parallelism "
                     "(measured on 2 and 4 H200s; filled: tuned, open: held-out)")
     return figure
+
+
+def draw_peak_vs_gpus_panel(ax, curve, validation) -> None:
+    """One model's per-GPU peak against N under ddp, fsdp and fsdp-no-reshard: the exact simulator's line, the
+    formula's dashes, the measured points (every rank) of the same setting."""
+    if curve.empty:
+        no_data(ax, "no simulated curve (benchmarks/peak_vs_gpus.py)")
+        return
+    first = curve.iloc[0]
+    measured = validation[(validation["estimator"] == "exact") & (validation["client"] == "loop")
+                          & (validation["model_id"] == first["model_id"]) & (validation["batch_size"] == first["batch_size"])
+                          & (validation["seq_len"] == first["seq_len"]) & (validation["precision"] == first["precision"])]
+    for sharding, points in curve.groupby("sharding", sort=False):
+        colour = LAYOUT_COLOURS.get(sharding, "grey")
+        ax.plot(points["num_gpus"], points["exact_peak_bytes"] / 2**30, color=colour, marker="o", ms=3,
+                label=f"{sharding}: exact")
+        ax.plot(points["num_gpus"], points["formula_peak_bytes"] / 2**30, color=colour, ls="--", lw=0.8,
+                label=f"{sharding}: formula")
+        ran = measured[measured["layout"] == sharding]
+        ax.scatter(ran["num_gpus"], ran["measured_peak_bytes"] / 2**30, color=colour, marker="*", s=120, zorder=3,
+                   label=f"{sharding}: measured (H200)" if len(ran) else None)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="GPUs (N)", ylabel="peak allocated per GPU (GiB)",
+           title=f"{first['model_id']}, {first['precision']}, AdamW, B={first['batch_size']} per GPU, "
+                 f"L={first['seq_len']}:\nthe activations do not shard")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=7)
 
 
 def draw_layouts_panel(ax, table) -> None:

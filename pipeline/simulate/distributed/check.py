@@ -38,14 +38,14 @@ def run_cpu_check(config: dict, num_gpus: int, shardings=("ddp", "fsdp"), batch_
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
 
-    build(config_from_dict(config), precision, attn_implementation, device="meta")  # imports, before the fork
+    build(config_from_dict(config), precision, attn_implementation, device="meta")  # the config checked first
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "rank0.json"
         args = (num_gpus, _free_port(), config, list(shardings), batch_size, seq_len, precision,
                 attn_implementation, gradient_checkpointing, str(out))
-        # forked from this process, which has torch and transformers imported already (a spawned
-        # process would import them again: seconds each on a small machine)
-        mp.start_processes(_worker, args=args, nprocs=num_gpus, join=True, start_method="fork")
+        # spawned, not forked: after a sharded simulation in this process (DTensor's or FSDP2's backward), torch
+        # marks forks bad and a forked rank's autograd refuses to run
+        mp.start_processes(_worker, args=args, nprocs=num_gpus, join=True, start_method="spawn")
         return json.loads(out.read_text())
 
 
