@@ -168,6 +168,7 @@ DISTRIBUTED_PLANS = {
     f"results/distributed/{DISTRIBUTED_GPU}/peak_memory.parquet": "config/sweep_distributed_clients.yaml",
     f"results/distributed_heldout/{DISTRIBUTED_GPU}/peak_memory.parquet": "config/sweep_distributed_heldout.yaml",
     f"results/distributed_8/{DISTRIBUTED_GPU}/peak_memory.parquet": "config/sweep_distributed.yaml",
+    f"results/distributed_mp_bf16/{DISTRIBUTED_GPU}/peak_memory.parquet": "config/sweep_distributed_mp_bf16.yaml",
 }
 # The measured training-settings tables (committed; measured with `sweep --plan config/sweep_trainer*.yaml`).
 SETTINGS_PRESENT = [path for path in SETTINGS_TABLES if Path(path).exists()]

@@ -51,6 +51,8 @@ SETTINGS_TABLES = {
     # under DDP and FSDP2, the loop under hsdp and tensor parallelism; every rank a row
     "results/distributed/h200/peak_memory.parquet": "tuned",
     "results/distributed_heldout/h200/peak_memory.parquet": "held-out",
+    # mp-bf16 (FSDP2's mixed precision, the loop), measured after its simulation was written
+    "results/distributed_mp_bf16/h200/peak_memory.parquet": "held-out",
 }
 SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
 SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"

@@ -87,13 +87,13 @@ def layout_name(row) -> str:
 
 
 def setting_name(row) -> str:
-    """full (fine-tuning), lora or qlora: the validation's groups; bf16-autocast and Liger's kernels are
-    reported apart (", bf16-autocast", "+liger")."""
+    """full (fine-tuning), lora or qlora: the validation's groups; bf16-autocast, FSDP2's mixed precision and
+    Liger's kernels are reported apart (", bf16-autocast", ", mp-bf16", "+liger")."""
     name = "full" if _text(row.lora_r) == "" else "qlora" if _text(row.quantization) else "lora"
     if _text(getattr(row, "liger_kernel", False)) == "True":
         name += "+liger"
-    if getattr(row, "precision", None) == "bf16-autocast":
-        name += ", bf16-autocast"
+    if getattr(row, "precision", None) in ("bf16-autocast", "mp-bf16"):
+        name += f", {row.precision}"
     return name
 
 

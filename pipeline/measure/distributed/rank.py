@@ -52,7 +52,8 @@ def measure_rank(args) -> dict:
     layout = Layout(world, args.sharding, args.shard_group, args.tensor_parallel)
     row.update(layout.columns(), rank=rank, split=args.split, first_in_process=True)
     if args.client == "loop":
-        row.update(loop_point(record, args.precision, layout, args.batch, args.seq, device, local_rank))
+        row.update(loop_point(record, args.precision, layout, args.batch, args.seq, device, local_rank,
+                              args.checkpointing))
     else:
         model, built = model_on_host(record, setting, args.precision, device)
         row.update(built, step_flops=6.0 * built["parameters"] * args.batch * args.seq)
@@ -90,7 +91,8 @@ def context_columns(device: str) -> dict:
     return {"nvml_context_bytes": used - torch.cuda.memory_reserved()}
 
 
-def loop_point(record, precision: str, layout, batch: int, seq: int, device: str, local_rank: int) -> dict:
+def loop_point(record, precision: str, layout, batch: int, seq: int, device: str, local_rank: int,
+               checkpointing: bool = False) -> dict:
     """The standard step on the sharded model, three times (the loop client's steps); never raises."""
     import gc
 
@@ -114,8 +116,8 @@ def loop_point(record, precision: str, layout, batch: int, seq: int, device: str
         model, module = build_sharded(record, precision, layout, device, local_rank)
         columns["weights_bytes"] = torch.cuda.memory_allocated() if device == "cuda" else None
         columns.update(context_columns(device) if device == "cuda" else {})
-        seconds, state = run_steps(model, Setting(), precision, batch, seq, device, tracker, use_cache=False,
-                                   module=module)
+        seconds, state = run_steps(model, Setting(gradient_checkpointing=checkpointing), precision, batch, seq, device,
+                                   tracker, use_cache=False, module=module)
         median = sorted(seconds)[len(seconds) // 2]
         columns.update(tracker.columns(), step_seconds=median, steps=len(seconds), optimizer_state_bytes=state,
                        tokens_per_second=batch * seq / median if median > 0 else None, **nvml_columns(device))
