@@ -441,7 +441,7 @@ def test_bad_plan_and_unknown_precision_on_the_command_line(configs_path, tmp_pa
     plan = tmp_path / "plan.yaml"
     plan.write_text("grid: {batch_sizes: [1], seq_lens: [16]}\nprecisions: [fp8]\nmodels: []\n")
     assert main(["sweep", "--dry-run", "--plan", str(plan), "--configs", str(configs_path)]) == 2
-    assert capsys.readouterr().err == f"error: {plan}: precisions: precision 'fp8' is not one of fp32, bf16, amp-bf16, amp-fp16, bf16-autocast\n"
+    assert capsys.readouterr().err == f"error: {plan}: precisions: precision 'fp8' is not one of fp32, bf16, amp-bf16, amp-fp16, bf16-autocast, mp-bf16\n"
     plan.write_text("grid: {batch_sizes: [1], seq_lens: [16]}\nmodels: [test/tiny-llama]\n")
     assert main(["sweep", "--dry-run", "--plan", str(plan), "--configs", str(configs_path),
                         "--precisions", "fp16"]) == 2
