@@ -109,7 +109,8 @@ class Layout:
     def describe(self) -> str:
         parts = [f"{self.num_gpus} GPU" + ("s" if self.num_gpus > 1 else "")]
         if self.sharding == "hsdp":
-            parts.append(f"hsdp ({self.data_parallel // self.shard_group} replicas x {self.shard_group} shards)")
+            replicas = self.data_parallel // self.shard_group
+            parts.append(f"hsdp ({replicas} replica{'s' if replicas > 1 else ''} x {self.shard_group} shards)")
         elif self.sharding:
             parts.append(self.sharding)
         if self.tensor_parallel > 1:
