@@ -403,7 +403,7 @@ def test_a_layouts_table_past_the_limit_stops_the_processes_it_started():
         try:
             with pytest.raises(SimulationTimeout):
                 simulator.ask({"model": "Qwen/Qwen2.5-0.5B", "batch": 2, "seq": 512, "precision": "bf16",
-                               "method": "exact", "gpu": "T4", "layouts": True, "num_gpus": 8})
+                               "method": "exact", "gpu": "T4", "layouts": True, "num_gpus": 64})
         finally:
             watching.set()
             watcher.join()

@@ -12,7 +12,9 @@ after the caller has been told that the collective is done: FSDP2's all-gather o
 at times freed by that thread, after the caller had let them go, and the peaks varied from run to
 run. The check runs FSDP2's two collectives (`all_gather_single`, `reduce_scatter_single`) on
 copies made outside the tracker (`detached_collectives`), so that the buffers live exactly as long
-as FSDP2's code keeps them, as on rank 0 of the fake process group.
+as FSDP2's code keeps them, as on rank 0 of the fake process group. Tensor parallelism's functional
+collectives (DTensor's all-reduce, all-gather and reduce-scatter) are ops: a dispatch mode below the
+tracker runs them on untracked copies and hands the tracker a fresh output, for the same reason.
 """
 
 from __future__ import annotations
@@ -68,10 +70,41 @@ def detached_collectives():
         "all_gather_single", output_tensor, input_tensor, **kw)
     dist.reduce_scatter_single = lambda output, input, **kw: run("reduce_scatter_single", output, input, **kw)
     try:
-        yield
+        with DetachedFunctionalCollectives():
+            yield
     finally:
         for name, function in originals.items():
             setattr(dist, name, function)
+
+
+def DetachedFunctionalCollectives():
+    """A dispatch mode, entered before the tracker (so below it): each functional collective runs on copies of
+    its inputs and is waited for; the tracker sees a fresh copy of its output, which gloo's thread never held."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    functional = torch.ops._c10d_functional
+
+    def copies(value):
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return [tensor.clone() for tensor in value]
+        return value
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace != "_c10d_functional" or func.overloadpacket is functional.wait_tensor:
+                return func(*args, **kwargs)
+            result = func(copies(args[0]), *args[1:], **kwargs)
+            outputs = result if isinstance(result, (list, tuple)) else [result]
+            for output in outputs:
+                functional.wait_tensor(output)
+            fresh = [output.clone() for output in outputs]
+            return fresh if isinstance(result, (list, tuple)) else fresh[0]
+
+    return Mode()
 
 
 def _free_port() -> int:

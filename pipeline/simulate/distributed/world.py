@@ -22,6 +22,7 @@ The model is sharded by `pipeline.training.sharding.shard`, the call the GPU mea
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 from pipeline.core.errors import UserError
 from pipeline.core.patches import attributes_set
@@ -45,7 +46,10 @@ def fake_process_group(world_size: int):
         raise UserError("the sharded simulation needs a process without a process group of its own")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield
+        with warnings.catch_warnings():
+            # about in-place ops on the model's output, which the step does not make
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+            yield
     finally:
         dist.destroy_process_group()
         forget_meshes()
