@@ -159,6 +159,7 @@ def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
     and fsdp, SFTTrainer with LoRA under DDP; one ok row per rank with its num_gpus, sharding and rank (CUDA peaks
     are empty on the CPU)."""
     import json
+    import os
     import subprocess
     import sys
 
@@ -172,11 +173,13 @@ def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
     config.write_text(json.dumps(dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=64)))
-    out = tmp_path / "peaks.parquet"
+    out, scratch = tmp_path / "peaks.parquet", tmp_path / "scratch"
+    scratch.mkdir()
     result = subprocess.run([sys.executable, "-m", "pipeline", "measure-distributed", "--plan", str(plan),
                              "--config", str(config), "--devices", "2", "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=600, env=dict(os.environ, TMPDIR=str(scratch)))
     assert result.returncode == 0, result.stderr[-2000:]
+    assert not list(scratch.glob("avp-point-*"))  # each point's folder goes once its rows are read
     rows = pd.read_parquet(out)
     assert set(rows["status"]) == {"ok"}, rows["reason"].tolist()
     assert sorted(zip(rows["client"], rows["sharding"], rows["rank"])) == [

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,6 +155,7 @@ class Scheduler:
                 tail = (folder / "log").read_text(errors="replace").strip().splitlines()[-3:]
                 reason = ("timed out after " f"{group.timeout} s" if timed_out else f"torchrun exit {process.returncode}")
                 rows = self.missing_ranks(group, point, rows, f"{reason}: {' | '.join(tail)[-400:]}")
+            shutil.rmtree(folder, ignore_errors=True)  # what it held is in the rows now
             if any(r["status"] == "oom" for r in rows):
                 self.oom_at[key].append(point)
                 self.device_of[key] = {k: rows[0].get(k) for k in ("device", "driver_version", "gpu_total_bytes")}
