@@ -125,8 +125,7 @@ class CudaAutocast(TorchFunctionMode):
         original = vars(generic).get("maybe_autocast") if generic is not None else None
         patches = [(torch, "is_autocast_enabled", is_enabled), (torch, "get_autocast_dtype", get_dtype)]
         if original is not None:
-            patches += [(module, "maybe_autocast", maybe_autocast) for name, module in list(sys.modules.items())
-                        if name.startswith("transformers") and vars(module).get("maybe_autocast") is original]
+            patches += [(module, "maybe_autocast", maybe_autocast) for module in holders_of(original)]
         with attributes_set(patches):
             yield
 
@@ -226,3 +225,19 @@ class CudaAutocast(TorchFunctionMode):
 
         checkpoint._simulated = True
         return checkpoint
+
+
+_HOLDERS: dict = {}
+
+
+def holders_of(maybe_autocast) -> list:
+    """The transformers modules that imported `maybe_autocast`: scanned again only when modules were imported
+    (once per layer, a scan of every module cost a 70B simulation 2 seconds)."""
+    import sys
+
+    key = (id(maybe_autocast), len(sys.modules))
+    if key not in _HOLDERS:
+        _HOLDERS.clear()
+        _HOLDERS[key] = [module for name, module in list(sys.modules.items())
+                         if name.startswith("transformers") and vars(module).get("maybe_autocast") is maybe_autocast]
+    return _HOLDERS[key]
