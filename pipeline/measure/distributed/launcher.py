@@ -11,6 +11,7 @@ PyTorch's allocator, and on a shared host it can take the GPUs out of service).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -75,6 +76,7 @@ class Scheduler:
         self.gpus, self.started = gpus, time.monotonic()
         self.deadline = deadline
         self.running: dict[tuple, tuple] = {}  # group key -> (process, slot, point, folder, started)
+        self.retries = collections.Counter()  # (group key, point) -> times queued again after a port race
 
     def run(self) -> None:
         self.rows_path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,8 +153,12 @@ class Scheduler:
             log.close()
             del self.running[key]
             rows = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
+            log_text = (folder / "log").read_text(errors="replace")
+            if not rows and not timed_out and self.retry_after_port_race(key, point, log_text):
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
             if len(rows) < group.num_gpus:
-                tail = (folder / "log").read_text(errors="replace").strip().splitlines()[-3:]
+                tail = log_text.strip().splitlines()[-3:]
                 reason = ("timed out after " f"{group.timeout} s" if timed_out else f"torchrun exit {process.returncode}")
                 rows = self.missing_ranks(group, point, rows, f"{reason}: {' | '.join(tail)[-400:]}")
             shutil.rmtree(folder, ignore_errors=True)  # what it held is in the rows now
@@ -160,6 +166,15 @@ class Scheduler:
                 self.oom_at[key].append(point)
                 self.device_of[key] = {k: rows[0].get(k) for k in ("device", "driver_version", "gpu_total_bytes")}
             self.append(rows)
+
+    def retry_after_port_race(self, key: tuple, point: tuple, log_text: str) -> bool:
+        """Queue the point again (at most twice) when its torchrun lost the race for a free port to a group beside
+        it (`--standalone` picks the port, then binds it): nothing of the point ran."""
+        if not port_race(log_text) or self.retries[(key, point)] >= 2:
+            return False
+        self.retries[(key, point)] += 1
+        self.pending.setdefault(key, []).insert(0, point)
+        return True
 
     def missing_ranks(self, group: Group, point: tuple, rows: list, reason: str) -> list:
         """Rows for the ranks that wrote none (killed by the launcher, or by torchrun after a rank failed):
@@ -204,6 +219,11 @@ class Scheduler:
             for row in sorted(rows, key=lambda r: int(r["rank"])):
                 handle.write(json.dumps(row, default=str) + "\n")
                 self.done.add(point_key(row))
+
+
+def port_race(log_text: str) -> bool:
+    """Whether torchrun's store failed to bind the port it had picked (another process took it meanwhile)."""
+    return "EADDRINUSE" in log_text and "TCPStore" in log_text
 
 
 def torchrun_command(group: Group, batch: int, seq: int, plan: dict, folder, config_path) -> list[str]:
