@@ -70,14 +70,14 @@ def detached_collectives():
         "all_gather_single", output_tensor, input_tensor, **kw)
     dist.reduce_scatter_single = lambda output, input, **kw: run("reduce_scatter_single", output, input, **kw)
     try:
-        with DetachedFunctionalCollectives():
+        with detached_functional_collectives():
             yield
     finally:
         for name, function in originals.items():
             setattr(dist, name, function)
 
 
-def DetachedFunctionalCollectives():
+def detached_functional_collectives():
     """A dispatch mode, entered before the tracker (so below it): each functional collective runs on copies of
     its inputs and is waited for; the tracker sees a fresh copy of its output, which gloo's thread never held."""
     import torch
