@@ -75,3 +75,22 @@ def test_bad_sharding_options_are_one_line(arguments, message, capsys):
         code = exc.code
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and "\n" not in err
+
+
+def test_the_exact_layouts_table_prints_no_torch_warnings(tmp_path):
+    """`python -m pipeline estimate --layouts --method exact`: the simulations in its processes (DDP on meta, FSDP2)
+    keep torch's C++ and Python warnings off the user's terminal; the table is on stdout."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    result = subprocess.run([sys.executable, "-m", "pipeline", "estimate", "--config", str(config), "--batch", "2",
+                             "--seq", "64", "--precision", "bf16", "--method", "exact", "--gpu", "T4", "--layouts",
+                             "--num-gpus", "2"], capture_output=True, text=True, timeout=600,
+                            env={k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "2 GPUs, fsdp " in result.stdout and "2 GPUs, ddp " in result.stdout
+    assert "Warning" not in result.stderr, result.stderr[-2000:]
