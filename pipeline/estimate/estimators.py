@@ -61,7 +61,7 @@ class ClosedFormEstimator(Estimator):
         if target.config is None:
             raise UserError("LoRA needs the model's shape (--model or --config): the adapters' size follows it")
         from pipeline.formulas.adapter_terms import adapter_components
-        from pipeline.formulas.features import read_facts, weight_shape
+        from pipeline.formulas.features import read_facts
 
         spec = run.adapter
         return adapter_components(components, read_facts(config_dict(target.config)), target.parameters,
@@ -179,7 +179,7 @@ class HeuristicEstimator(FittedEstimator):
             return ""
         if target.config is None:
             return " SFTTrainer's fused LM head is not counted: without the model's shape the logits stay in A."
-        from pipeline.formulas.features import read_facts, weight_shape
+        from pipeline.formulas.features import read_facts
         from pipeline.formulas.fused_head import head_bytes
 
         facts = read_facts(config_dict(target.config))

@@ -13,10 +13,9 @@ import os
 from dataclasses import replace
 
 from pipeline.core.errors import UserError
-from pipeline.core.vocabulary import MAX_GPUS
+from pipeline.core.vocabulary import MAX_GPUS, WEIGHT_BYTES
 from pipeline.estimate.verdict import judge, limited, run_outside_bytes
 from pipeline.formulas.components import optimizer_bytes
-from pipeline.core.vocabulary import WEIGHT_BYTES
 from pipeline.training.layout import Layout, candidate_layouts
 from pipeline.training.values import GIB, Run
 
