@@ -106,8 +106,10 @@ TRL_CLIENTS = ("sft", "dpo")
 ADAPTER_METHODS = ("lora", "qlora")
 QUANTIZATIONS = ("nf4", "int8")
 # Several GPUs: DDP, FSDP2 fully_shard per decoder layer and the root (resharded after forward, or not), HSDP
-# (FSDP2 on a 2-D mesh: shard groups replicated); `training.layout.Layout` adds tensor parallelism
-SHARDINGS = ("ddp", "fsdp", "fsdp-no-reshard", "hsdp")
+# (FSDP2 on a 2-D mesh: shard groups replicated), DeepSpeed's ZeRO stages 1-3 as the Trainer runs them
+# (`training.zero`); `training.layout.Layout` adds tensor parallelism
+SHARDINGS = ("ddp", "fsdp", "fsdp-no-reshard", "hsdp", "zero1", "zero2", "zero3")
+ZERO_SHARDINGS = ("zero1", "zero2", "zero3")
 VARIANTS = ("standard", "blog")  # blog: the blog's own loop, loss = mean(logits)
 ATTENTIONS = ("default", "eager")  # as requested; default: the library's choice (sdpa)
 STATUSES = ("ok", "oom", "skipped", "error")

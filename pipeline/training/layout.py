@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.core.errors import UserError
-from pipeline.core.vocabulary import MAX_GPUS, SHARDINGS, check_choice, check_positive_int
+from pipeline.core.vocabulary import MAX_GPUS, SHARDINGS, ZERO_SHARDINGS, check_choice, check_positive_int
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class Layout:
                                 f"(num_gpus {n} / tensor_parallel {t})")
         elif self.shard_group is not None:
             raise UserError("shard_group is hsdp's (FSDP2 over groups of that many GPUs); give --sharding hsdp")
+        if t > 1 and self.sharding in ZERO_SHARDINGS:
+            raise UserError("tensor parallelism with DeepSpeed's ZeRO (AutoTP) is not simulated: use fsdp or hsdp")
         if t > 1 and self.sharding == "ddp":
             raise UserError("tensor parallelism with ddp is not a layout torch runs (DDP takes no DTensor "
                             "parameters): use fsdp or hsdp over the data-parallel ranks")
@@ -68,7 +70,7 @@ class Layout:
         """Ranks a data-parallel FSDP2 shard is cut over (1 under ddp)."""
         if self.sharding == "hsdp":
             return self.shard_group
-        return self.data_parallel if self.sharding in ("fsdp", "fsdp-no-reshard") else 1
+        return self.data_parallel if self.sharding in ("fsdp", "fsdp-no-reshard", *ZERO_SHARDINGS) else 1
 
     @property
     def communicators(self) -> int:

@@ -10,7 +10,8 @@ data-parallel mesh, `reshard_after_forward` true (`fsdp`, `hsdp`: a 2-D mesh of 
 
 `sharding_arguments(sharding, model)`: the keys of TrainingArguments (SFTConfig, DPOConfig) with which the
 Trainer clients run that sharding under `torchrun --nproc_per_node N`: none for DDP (what the Trainer does with
-several processes), FSDP2 through accelerate's plugin for fsdp and fsdp-no-reshard.
+several processes), FSDP2 through accelerate's plugin for fsdp and fsdp-no-reshard, DeepSpeed's ZeRO through
+the `deepspeed` key for zero1-3 (`training.zero`).
 """
 
 from __future__ import annotations
@@ -111,12 +112,18 @@ def fake_allreduce_hook(state, bucket):
     return future
 
 
-def sharding_arguments(sharding: str | None, model) -> dict:
-    """TrainingArguments' keys for `sharding` (see the module docstring): `fsdp=True` and an `fsdp_config` of
-    FSDP2 (`version` 2) wrapping the model's decoder layer classes, resharded after forward (fsdp) or not
-    (fsdp-no-reshard); nothing for one GPU or DDP."""
+def sharding_arguments(setting, model) -> dict:
+    """TrainingArguments' keys for the sharding of `setting` (a `training.step.Setting`; see the module docstring):
+    `fsdp=True` and an `fsdp_config` of FSDP2 (`version` 2) wrapping the model's decoder layer classes, resharded
+    after forward (fsdp) or not (fsdp-no-reshard); `deepspeed` (its config, a fresh dict: the Trainer fills its
+    "auto" values in place) for zero1-3; nothing for one GPU or DDP."""
+    sharding = setting.sharding
     if sharding in (None, "ddp"):
         return {}
+    if setting.deepspeed is not None:
+        import json
+
+        return {"deepspeed": json.loads(setting.deepspeed)}
     classes = sorted({type(layer).__name__ for layer in decoder_layers(model)})
     if not classes:
         raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules)")

@@ -28,6 +28,7 @@ from pipeline.training.adapters import AdapterSpec
 from pipeline.core.errors import UserError
 from pipeline.inputs.modeling import vocabulary_size
 from pipeline.core.vocabulary import (CLIENTS, OPTIM_OF_LOOP_OPTIMIZER, OPTIMIZERS, OPTIMS, SHARDINGS, TRAINER_CLIENTS,
+                                      ZERO_SHARDINGS,
                                       TRL_CLIENTS, VARIANTS, check_choice, check_positive_int, precision_mode)
 
 STEPS = 3
@@ -60,6 +61,7 @@ class Setting:
     liger_kernel: bool = False
     completion_share: float = 1.0
     sharding: str | None = None  # several GPUs (vocabulary.SHARDINGS); None: one GPU
+    deepspeed: str | None = None  # zero1-3: the DeepSpeed config's JSON text (`training.zero`)
 
     def __post_init__(self):
         if self.client == "loop":
@@ -82,7 +84,8 @@ class Setting:
         return cls(row.get("variant") or "standard", row.get("optimizer"), bool(row.get("gradient_checkpointing")),
                    client, row.get("optim") if client != "loop" else None, row.get("gradient_accumulation") or 1,
                    AdapterSpec.from_row(row), bool(row.get("liger_kernel") or False),
-                   1.0 if share is None or share != share else float(share), row.get("sharding") or None)
+                   1.0 if share is None or share != share else float(share), row.get("sharding") or None,
+                   row.get("deepspeed") or None)
 
     def check(self) -> None:
         check_choice("client", self.client, CLIENTS)
@@ -117,6 +120,8 @@ class Setting:
         check_share(self.completion_share)
         if self.sharding is not None:
             check_choice("sharding", self.sharding, SHARDINGS)
+        if (self.sharding in ZERO_SHARDINGS) != (self.deepspeed is not None):
+            raise UserError("a DeepSpeed config goes with sharding zero1, zero2 or zero3, and they with one")
         if self.completion_share != 1.0 and self.client not in TRL_CLIENTS:
             raise UserError(f"completion_share is TRL's trainers' ({', '.join(TRL_CLIENTS)}), not the {self.client} "
                             "client's")

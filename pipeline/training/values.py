@@ -51,6 +51,8 @@ class Run:
     # middle of the step (exact only: the loop and Trainer clients; several GPUs run a later step); False: an
     # earlier step of the same process made them (a sweep's points after its first)
     fresh_process: bool = True
+    # sharding zero1-3: the DeepSpeed config's JSON text (`training.zero`); None: the stage with "auto" elsewhere
+    deepspeed: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "batch", check_positive_int("batch", self.batch, MAX_BATCH))
@@ -63,6 +65,11 @@ class Run:
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         object.__setattr__(self, "gradient_accumulation", check_positive_int(
             "gradient_accumulation", self.gradient_accumulation, MAX_ACCUMULATION))
+        if self.deepspeed is None and self.client != "loop" and str(self.sharding).startswith("zero"):
+            from pipeline.training.zero import STAGES, default_config
+
+            if self.sharding in STAGES:
+                object.__setattr__(self, "deepspeed", default_config(self.sharding))
         setting = self.setting
         setting.check()
         object.__setattr__(self, "optimizer", setting.optimizer)
@@ -73,6 +80,7 @@ class Run:
     def check_sharding(self) -> None:
         layout = Layout(self.num_gpus, self.sharding, self.shard_group, self.tensor_parallel)
         object.__setattr__(self, "num_gpus", layout.num_gpus)
+        self.check_deepspeed()
         if precision_mode(self.precision).gathered and (layout.shards < 2 or self.client != "loop"):
             raise UserError(f"precision {self.precision} is FSDP2's mixed precision of the loop: it needs --sharding "
                             "fsdp, fsdp-no-reshard or hsdp over several GPUs (the Trainer clients take bf16 with "
@@ -80,6 +88,21 @@ class Run:
         if self.client == "loop" and self.adapter is not None and layout.sharded:
             raise UserError("the loop's sharded step is full fine-tuning; adapters on several GPUs run with the "
                             "trainer, sft and dpo clients")
+
+    def check_deepspeed(self) -> None:
+        """sharding zero1-3 runs the Trainer clients with a DeepSpeed config (`training.zero`), which must agree
+        with the run (its stage, batch, accumulation and precision)."""
+        from pipeline.training import zero
+
+        if self.sharding not in zero.STAGES:
+            if self.deepspeed is not None:
+                raise UserError("a DeepSpeed config needs sharding zero1, zero2 or zero3 (its stage)")
+            return
+        if self.client == "loop":
+            raise UserError(f"sharding {self.sharding} is DeepSpeed's as the Trainer runs it: use the trainer, sft or "
+                            "dpo client")
+        zero.check_run(self.deepspeed, self.sharding, self.batch, self.gradient_accumulation, self.num_gpus,
+                       precision_mode(self.precision).autocast)
 
     @property
     def layout(self) -> Layout:
@@ -91,7 +114,7 @@ class Run:
         """The run's `pipeline.training.step.Setting` (what the GPU measurement of it runs)."""
         return Setting(self.variant, self.optimizer, self.checkpointing, self.client, self.optim,
                        self.gradient_accumulation, self.adapter, self.liger_kernel, self.completion_share,
-                       None if self.client == "loop" else self.sharding)
+                       None if self.client == "loop" else self.sharding, self.deepspeed)
 
     @property
     def optimizer_key(self) -> str:
@@ -118,7 +141,7 @@ class Run:
                    fresh_process=bool(cell(row, "first_in_process") or False),
                    num_gpus=int(cell(row, "num_gpus") or 1), sharding=cell(row, "sharding") or None,
                    shard_group=None if cell(row, "shard_group") is None else int(cell(row, "shard_group")),
-                   tensor_parallel=int(cell(row, "tensor_parallel") or 1))
+                   tensor_parallel=int(cell(row, "tensor_parallel") or 1), deepspeed=cell(row, "deepspeed") or None)
 
     def with_batch(self, batch: int) -> Run:
         return replace(self, batch=batch)

@@ -72,6 +72,6 @@ def train_trl(model, setting: Setting, device: str, tracker: PhaseTracker, make_
 
     datasets.disable_progress_bars()
     extra = {"use_cpu": True} if device == "cpu" else {}
-    extra.update(sharding_arguments(setting.sharding, model))
+    extra.update(sharding_arguments(setting, model))
     return train_phased(model, setting, device, tracker, lambda output_dir, times: make_trainer(output_dir, times, extra),
                         prefix, lambda built: set_training_mode(built, Setting()))

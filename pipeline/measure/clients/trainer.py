@@ -100,7 +100,7 @@ class StepTimes(TrainerCallback):
 def training_arguments(setting: Setting, precision: str, batch: int, device: str, output_dir: str, model=None):
     """The point's TrainingArguments (`model`: the one trained, whose decoder layers FSDP2 wraps)."""
     extra = {"use_cpu": True} if device == "cpu" else {}
-    extra.update(sharding_arguments(setting.sharding, model))
+    extra.update(sharding_arguments(setting, model))
     return TrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch, max_steps=STEPS,
                              gradient_accumulation_steps=setting.gradient_accumulation,
                              **mixed_precision_args(precision),

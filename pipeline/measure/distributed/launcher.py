@@ -33,7 +33,7 @@ def point_key(row: dict) -> tuple:
     group = row.get("shard_group")
     return (row["model_id"], row["client"], row["precision"], int(row["num_gpus"]), row["sharding"],
             None if group is None else int(group), int(row.get("tensor_parallel") or 1), adapter,
-            bool(row["gradient_checkpointing"]), int(row["batch_size"]), int(row["seq_len"]))
+            bool(row["gradient_checkpointing"]), row.get("deepspeed") or None, int(row["batch_size"]), int(row["seq_len"]))
 
 
 def run_plan(plan_path, out_path, dry_run: bool = False, config_path: str | None = None,
@@ -210,6 +210,7 @@ class Scheduler:
                 "client": group.client, "precision": group.precision,
                 "num_gpus": group.num_gpus, "sharding": group.sharding, "shard_group": group.shard_group,
                 "tensor_parallel": group.tensor_parallel, "gradient_checkpointing": group.checkpointing,
+                "deepspeed": group.deepspeed,
                 "lora_r": 16 if group.adapter == "lora" else None, "lora_alpha": 32 if group.adapter == "lora" else None,
                 "lora_targets": "all-linear" if group.adapter == "lora" else None, "batch_size": point[0],
                 "seq_len": point[1], "split": group.split, "variant": "standard", "attn_implementation": "default"}

@@ -5,7 +5,8 @@ measure, read from YAML and laid out as groups of points that run smallest first
     clients: [trainer, sft]               # loop, trainer, sft, dpo
     precisions: [bf16-autocast]           # default: the client's (bf16 weights under bf16 autocast; loop: bf16)
     num_gpus: [2, 4]
-    shardings: [ddp, fsdp]                # also fsdp-no-reshard, hsdp; null: tensor parallelism alone
+    shardings: [ddp, fsdp]                # also fsdp-no-reshard, hsdp, zero1-3; null: tensor parallelism alone
+    deepspeed: [config/deepspeed/zero3_offload.json]   # DeepSpeed configs (Trainer clients): each a layout
     shard_groups: [2]                     # hsdp's S
     tensor_parallel: [1, 2]               # T (the loop)
     adapters: [full, lora]                # lora: LoRA r=16, alpha 32, all linear layers
@@ -31,7 +32,7 @@ from pipeline.core.vocabulary import CLIENTS, PRECISIONS, SHARDINGS, SPLITS, che
 from pipeline.training.layout import Layout
 
 DEFAULT_KEYS = {"models", "clients", "precisions", "num_gpus", "shardings", "shard_groups", "tensor_parallel",
-                "adapters", "checkpointing", "grid", "points", "split", "timeout_seconds", "configs"}
+                "adapters", "checkpointing", "grid", "points", "split", "timeout_seconds", "configs", "deepspeed"}
 PLAN_KEYS = DEFAULT_KEYS | {"groups"}
 ADAPTERS = ("full", "lora")
 # The precision a client runs on a model loaded in bf16 (the Trainer clients with bf16=True: bf16-autocast).
@@ -55,11 +56,12 @@ class Group:
     timeout: int = DEFAULT_TIMEOUT
     shard_group: int | None = None
     tensor_parallel: int = 1
+    deepspeed: str | None = None  # zero1-3: the DeepSpeed config's JSON text
 
     @property
     def key(self) -> tuple:
         return (self.model_id, self.client, self.precision, self.num_gpus, self.sharding, self.shard_group,
-                self.tensor_parallel, self.adapter, self.checkpointing)
+                self.tensor_parallel, self.adapter, self.checkpointing, self.deepspeed)
 
     def rank_arguments(self, batch: int, seq: int) -> list[str]:
         """The arguments of `python -m pipeline.measure.distributed rank` for one point of the group."""
@@ -68,6 +70,7 @@ class Group:
                  "--tensor-parallel", str(self.tensor_parallel)]
                 + (["--sharding", self.sharding] if self.sharding else [])
                 + (["--shard-group", str(self.shard_group)] if self.shard_group else [])
+                + (["--deepspeed", self.deepspeed] if self.deepspeed else [])
                 + (["--checkpointing"] if self.checkpointing else []))
 
 
@@ -94,7 +97,7 @@ def check_block(block: dict, path) -> None:
         check_choice("client", client, CLIENTS)
     for precision in block.get("precisions", []):
         check_choice("precision", precision, PRECISIONS)
-    for sharding in block.get("shardings", ["ddp", "fsdp"]):
+    for sharding in block.get("shardings", [] if "deepspeed" in block else ["ddp", "fsdp"]):
         if sharding is not None:
             check_choice("sharding", sharding, SHARDINGS)
     for n in block.get("num_gpus", [2]):
@@ -123,27 +126,33 @@ def block_groups(block: dict, gpus: int | None) -> list[Group]:
         points = [(b, l) for b in block["grid"]["batch_sizes"] for l in block["grid"]["seq_lens"]]
     points = tuple(sorted(points, key=lambda p: (p[0] * p[1], p[0])))
     return [Group(model, client, precision, n, sharding, adapter, bool(checkpointing), points,
-                  block.get("split", "tuned"), int(block.get("timeout_seconds", DEFAULT_TIMEOUT)), group, tp)
+                  block.get("split", "tuned"), int(block.get("timeout_seconds", DEFAULT_TIMEOUT)), group, tp, deepspeed)
             for n in sorted(block.get("num_gpus", [2])) if gpus is None or n <= gpus
             for model in block["models"] for client in block.get("clients", ["loop"])
             for precision in block.get("precisions") or [DEFAULT_PRECISION[client]]
-            for sharding, group, tp in block_layouts(block, n)
+            for sharding, group, tp, deepspeed in block_layouts(block, n)
             for adapter in block.get("adapters", ["full"])
             for checkpointing in block.get("checkpointing", [client in ("sft", "dpo")])]
 
 
 def block_layouts(block: dict, num_gpus: int) -> list[tuple]:
-    """(sharding, shard_group, tensor_parallel) of a block on `num_gpus` GPUs: the valid layouts among each sharding
-    with each T (hsdp with each of its shard groups)."""
+    """(sharding, shard_group, tensor_parallel, deepspeed) of a block on `num_gpus` GPUs: the valid layouts among
+    each sharding with each T (hsdp with each of its shard groups; zero1-3 with the stage's default config), and
+    each of its DeepSpeed config files (`training.zero.read_deepspeed`: the stage is the file's)."""
+    from pipeline.training.zero import STAGES, default_config, read_deepspeed
+
     found = []
+    for path in block.get("deepspeed", []):
+        settings = read_deepspeed(path)
+        found.append((settings["sharding"], None, 1, settings["deepspeed"]))
     for tp in block.get("tensor_parallel", [1]):
-        for sharding in block.get("shardings", ["ddp", "fsdp"]):
+        for sharding in block.get("shardings", [] if "deepspeed" in block else ["ddp", "fsdp"]):
             for group in block.get("shard_groups", [None]) if sharding == "hsdp" else [None]:
                 try:
                     Layout(num_gpus, sharding, group, tp)
                 except UserError:
                     continue
-                found.append((sharding, group, tp))
+                found.append((sharding, group, tp, default_config(sharding) if sharding in STAGES else None))
     return found
 
 

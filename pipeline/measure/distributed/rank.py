@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pipeline.measure.point import base_columns, build_point_model, finish_row, measure_point
 
-EXTRA_COLUMNS = ("num_gpus", "sharding", "shard_group", "tensor_parallel", "rank", "split", "first_in_process", "nvml_context_bytes",
+EXTRA_COLUMNS = ("num_gpus", "sharding", "shard_group", "tensor_parallel", "deepspeed", "deepspeed_version", "rank", "split", "first_in_process", "nvml_context_bytes",
                  "nvml_train_end_bytes", "reserved_train_end_bytes", "reserved_by_stream")
 
 
@@ -46,16 +46,17 @@ def measure_rank(args) -> dict:
     record = model_record(None if args.config else args.model, args.config, args.configs)
     adapter = AdapterSpec.make(16) if args.adapter == "lora" else None
     setting = Setting(client=args.client, gradient_checkpointing=args.checkpointing, adapter=adapter,
-                      sharding=None if args.client == "loop" else args.sharding)
+                      sharding=None if args.client == "loop" else args.sharding, deepspeed=args.deepspeed)
     row = base_columns(record, args.precision, "default", setting, args.batch, args.seq)
     row.update(setup_device(device, allow_tf32=True))
     layout = Layout(world, args.sharding, args.shard_group, args.tensor_parallel)
-    row.update(layout.columns(), rank=rank, split=args.split, first_in_process=True)
+    row.update(layout.columns(), deepspeed=args.deepspeed, rank=rank, split=args.split, first_in_process=True,
+               deepspeed_version=deepspeed_version(args.deepspeed))
     if args.client == "loop":
         row.update(loop_point(record, args.precision, layout, args.batch, args.seq, device, local_rank,
                               args.checkpointing))
     else:
-        model, built = model_on_host(record, setting, args.precision, device)
+        model, built = model_on_host(record, setting, args.precision, device, args.batch)
         row.update(built, step_flops=6.0 * built["parameters"] * args.batch * args.seq)
         row.update(context_columns(device))
         row.update(measure_point(model, setting, args.precision, args.batch, args.seq, device))
@@ -65,11 +66,23 @@ def measure_rank(args) -> dict:
     return {**finish_row(row), **extra}
 
 
-def model_on_host(record, setting, precision: str, device: str):
+def model_on_host(record, setting, precision: str, device: str, batch: int):
     """The point's model (with its adapters where the client does not wrap them) built with random weights on
-    the GPU, then moved to the CPU; the allocator emptied and its peaks reset, as in a fresh process."""
+    the GPU, then moved to the CPU; the allocator emptied and its peaks reset, as in a fresh process. Under
+    zero3 it is built as a script builds it after its training arguments (`training.zero.zero3_init`): each
+    parameter partitioned on the GPU as it is made, where it stays."""
     import torch
 
+    if setting.sharding == "zero3":
+        from pipeline.training.zero import zero3_init
+
+        with zero3_init(setting.deepspeed, batch, setting.gradient_accumulation, precision):
+            model, built = build_point_model(record, setting, precision, "default", device)
+        built["parameters"] = record.parameters  # a partitioned parameter holds none of its elements here
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        return model, built
     model, built = build_point_model(record, setting, precision, "default", device)
     if device == "cuda":
         model.to("cpu")
@@ -77,6 +90,15 @@ def model_on_host(record, setting, precision: str, device: str):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return model, built
+
+
+def deepspeed_version(config: str | None) -> str | None:
+    """The version of DeepSpeed that ran the point (None without a DeepSpeed config)."""
+    if config is None:
+        return None
+    from importlib.metadata import version
+
+    return version("deepspeed")
 
 
 def context_columns(device: str) -> dict:

@@ -65,7 +65,7 @@ def meta_dpo_trainer(model, reference, setting: Setting, precision: str, batch: 
     datasets.disable_progress_bars()
     vocab = vocabulary_size(model)
     args = dpo_arguments(setting, precision, batch, seq, tempfile.mkdtemp(prefix="avp-simdpo-"), MetaDPOConfig,
-                         **device_arguments(setting.sharding, model))
+                         **device_arguments(setting, model))
     with references_prepared(rules, precision):
         trainer = MetaDPOTrainer(model=model, ref_model=reference, args=args, processing_class=tokenizer(vocab),
                                  train_dataset=preference_dataset(vocab, dataset_pairs(setting, batch), seq,

@@ -52,21 +52,21 @@ class MetaTrainer(InputsOnSimulatedDevice, Trainer):
     """The Trainer with its inputs placed on the model's device."""
 
 
-def device_arguments(sharding: str | None, model) -> dict:
+def device_arguments(setting, model) -> dict:
     """What the simulated trainer's arguments say of the device: on one GPU use_cpu=True (the accelerator must
     not ask for a GPU; its autocast and scaler are made CUDA's by `prepare_for_training`); on several GPUs the
     sharding's keys (`pipeline.training.sharding.sharding_arguments`), with accelerate told that it runs on N
     GPUs (`pipeline.simulate.distributed.world.accelerate_on_gpus`)."""
-    if sharding is None:
+    if setting is None or setting.sharding is None:
         return {"use_cpu": True}
     from pipeline.training.sharding import sharding_arguments
 
-    return sharding_arguments(sharding, model)
+    return sharding_arguments(setting, model)
 
 
 def meta_trainer(model, batch_size: int, precision: str, optim: str, gradient_accumulation: int,
                  gradient_checkpointing: bool, device_type: str, liger_kernel: bool = False,
-                 sharding: str | None = None) -> MetaTrainer:
+                 setting=None) -> MetaTrainer:
     """`pipeline.measure.clients.trainer.training_arguments` for the simulated device (`device_arguments`),
     the model left where it is."""
     output_dir = tempfile.mkdtemp(prefix="avp-simtrainer-")
@@ -75,7 +75,7 @@ def meta_trainer(model, batch_size: int, precision: str, optim: str, gradient_ac
                                  **mixed_precision_args(precision),
                                  gradient_checkpointing=gradient_checkpointing, optim=optim,
                                  use_liger_kernel=liger_kernel, save_strategy="no", disable_tqdm=True,
-                                 report_to="none", **device_arguments(sharding, model))
+                                 report_to="none", **device_arguments(setting, model))
     trainer = MetaTrainer(model=model, args=args)
     trainer.simulated_device = torch.device(device_type)
     return trainer
@@ -151,7 +151,10 @@ def restore(model, trainer) -> None:
         model.__dict__.pop(name, None)
     if getattr(model, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_disable()
-    model.zero_grad(set_to_none=True)
+    if type(model).__name__ == "DeepSpeedEngine":  # TRL's ZeRO-3 reference model: DeepSpeed's zero_grad
+        model.zero_grad()
+    else:
+        model.zero_grad(set_to_none=True)
     if trainer is not None:
         with contextlib.suppress(Exception):
             trainer.accelerator.free_memory()

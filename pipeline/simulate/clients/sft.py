@@ -102,7 +102,7 @@ def meta_sft_trainer(model, setting: Setting, precision: str, batch: int, seq: i
     datasets.disable_progress_bars()  # the dataset's preparation, on stderr
     vocab = vocabulary_size(model)
     args = sft_arguments(setting, precision, batch, seq, tempfile.mkdtemp(prefix="avp-simsft-"), MetaSFTConfig,
-                         **device_arguments(setting.sharding, model))
+                         **device_arguments(setting, model))
     trainer = MetaSFTTrainer(model=model, args=args, processing_class=tokenizer(vocab),
                              train_dataset=random_dataset(vocab, dataset_rows(setting, batch), seq,
                                                           setting.completion_share),

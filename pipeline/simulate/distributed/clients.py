@@ -69,8 +69,10 @@ def sharded_client_peak(config, run: Run) -> Estimate:
                           more_stand_ins=host_copy_stand_ins())
     tracker = trace.tracker
     tracker.stream = stream_name
-    with fake_world(run.layout), meta_fsdp(), accelerate_on_gpus(run.num_gpus), arrivals(tracker), roles(tracker):
-        model = host_model(config, run)
+    with fake_world(run.layout), meta_fsdp(), accelerate_on_gpus(run.num_gpus), arrivals(tracker), roles(tracker), \
+            deepspeed_world(run, tracker):
+        with zero_init(run, trace):
+            model = host_model(config, run)
         with trace.rules, tracker, tracker.placed(host=True):  # the trainer's __init__ (DDP moves the model)
             trainer = trainer_of(model, run, trace)
         step_run = run_class(run.client)(trainer, run.seq, run.precision, run.checkpointing, "meta")
@@ -84,6 +86,32 @@ def sharded_client_peak(config, run: Run) -> Estimate:
     from pipeline.simulate.predict import estimate_of
 
     return estimate_of(result, start)
+
+
+@contextlib.contextmanager
+def deepspeed_world(run: Run, tracker):
+    """DeepSpeed on the meta device (`zero.meta_deepspeed`) for zero1-3, else nothing."""
+    if run.deepspeed is None:
+        yield
+        return
+    from pipeline.simulate.distributed.zero import meta_deepspeed
+
+    with meta_deepspeed(tracker):
+        yield
+
+
+@contextlib.contextmanager
+def zero_init(run: Run, trace):
+    """Where the model is built: on the host, or under zero3 as `from_pretrained` builds it once the training
+    arguments name a ZeRO-3 config (transformers' `HfDeepSpeedConfig` in force: `deepspeed.zero.Init`), each
+    parameter partitioned on the GPU as it is made, counted."""
+    if run.sharding != "zero3":
+        yield
+        return
+    from pipeline.simulate.distributed.zero import zero3_build
+
+    with trace.rules, trace.tracker, zero3_build(run, trace.tracker):
+        yield
 
 
 def check_sharded_client(run: Run) -> None:
@@ -110,6 +138,10 @@ def host_model(config, run: Run):
     key, attention = config_key(config), meta_attention(run.attn_implementation)
     quantization = run.adapter.quantization if run.adapter else None
     if run.client == "trainer" and run.adapter is not None:
+        if run.sharding == "zero3":  # built under zero.Init: a copy of a cached model would not be partitioned
+            from pipeline.simulate.adapters import cached_adapter_model
+
+            return cached_adapter_model.__wrapped__(key, run.precision, attention, run.adapter, run.checkpointing)
         return fresh_adapter_model(key, run.precision, attention, run.adapter, run.checkpointing)
     return fresh_base_model(key, run.precision, attention, quantization)
 
@@ -125,7 +157,7 @@ def trainer_of(model, run: Run, trace):
     setting = run.setting
     if run.client == "trainer":
         return meta_trainer(model, run.batch, run.precision, run.optim, run.gradient_accumulation, run.checkpointing,
-                            "meta", run.liger_kernel, sharding=run.sharding)
+                            "meta", run.liger_kernel, setting=run.setting)
     if run.client == "sft":
         return meta_sft_trainer(model, setting, run.precision, run.batch, run.seq, "meta")
     if run.client == "dpo":

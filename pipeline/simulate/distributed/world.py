@@ -137,13 +137,13 @@ def accelerate_on_gpus(num_gpus: int):
 
     all_gather_into_tensor = dist.all_gather_into_tensor
 
-    def gathered(output, input, *args, **kwargs):
+    def gathered(output_tensor, input_tensor, *args, **kwargs):  # torch's names: DeepSpeed passes them by name
         """Every rank gave what rank 0 gave: the host values of a gathered count (the Trainer's tokens of every
         rank, TRL's `num_valid > 0`) are rank 0's, N times."""
-        work = all_gather_into_tensor(output, input, *args, **kwargs)
-        shadow = getattr(input, "_shadow", None)
-        if shadow is not None and output.numel() == num_gpus * input.numel():
-            output._shadow = shadow.reshape(-1).repeat(num_gpus).reshape(output.shape)
+        work = all_gather_into_tensor(output_tensor, input_tensor, *args, **kwargs)
+        shadow = getattr(input_tensor, "_shadow", None)
+        if shadow is not None and output_tensor.numel() == num_gpus * input_tensor.numel():
+            output_tensor._shadow = shadow.reshape(-1).repeat(num_gpus).reshape(output_tensor.shape)
         return work
 
     patches = [(PartialState, "_prepare_backend", staticmethod(backend)),
@@ -182,18 +182,8 @@ def arrivals(tracker):
     from accelerate import Accelerator
     from transformers import Trainer
 
-    def arrive(tensors) -> None:
-        with torch.no_grad():
-            for tensor in tensors:
-                if tracker.is_counted(tensor):
-                    continue
-                with tracker.placed(host=True):  # a view of the host tensor is the host's
-                    source = tensor.detach()
-                with tracker.placed(host=False):
-                    tensor.data = source.clone()
-
     def move_model(self, model, device):
-        arrive(list(model.parameters()) + list(model.buffers()))
+        arrive(tracker, list(model.parameters()) + list(model.buffers()))
 
     prepare_model = Accelerator.prepare_model
 
@@ -209,7 +199,7 @@ def arrivals(tracker):
             return shard(*args, **kwargs)
 
     def move_states(params, buffers, device):
-        arrive([*params, *buffers])
+        arrive(tracker, [*params, *buffers])
 
     # FSDP2's move lives in _fsdp_init (torch 2.14) or in _fully_shard (earlier): patched where it is called
     patches = [(module, "_move_states_to_device", move_states) for module in (fsdp_init, fully_shard_module)
@@ -219,6 +209,20 @@ def arrivals(tracker):
                (torch.nn.parallel, "DistributedDataParallel", meta_ddp_class(tracker))]
     with attributes_set(patches):
         yield
+
+
+def arrive(tracker, tensors) -> None:
+    """Host tensors copied to the GPU (each its own copy, as `.to("cuda")` makes), counted by `tracker` from then on."""
+    import torch
+
+    with torch.no_grad():
+        for tensor in tensors:
+            if tracker.is_counted(tensor):
+                continue
+            with tracker.placed(host=True):  # a view of the host tensor is the host's
+                source = tensor.detach()
+            with tracker.placed(host=False):
+                tensor.data = source.clone()
 
 
 def meta_ddp_class(tracker):
