@@ -169,6 +169,8 @@ DISTRIBUTED_PLANS = {
     f"results/distributed_heldout/{DISTRIBUTED_GPU}/peak_memory.parquet": "config/sweep_distributed_heldout.yaml",
     f"results/distributed_8/{DISTRIBUTED_GPU}/peak_memory.parquet": "config/sweep_distributed.yaml",
     f"results/distributed_mp_bf16/{DISTRIBUTED_GPU}/peak_memory.parquet": "config/sweep_distributed_mp_bf16.yaml",
+    f"results/deepspeed/{DISTRIBUTED_GPU}/peak_memory.parquet": "config/sweep_deepspeed.yaml",
+    f"results/deepspeed_heldout/{DISTRIBUTED_GPU}/peak_memory.parquet": "config/sweep_deepspeed_heldout.yaml",
 }
 # The measured training-settings tables (committed; measured with `sweep --plan config/sweep_trainer*.yaml`).
 SETTINGS_PRESENT = [path for path in SETTINGS_TABLES if Path(path).exists()]

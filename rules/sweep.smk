@@ -63,7 +63,7 @@ if DISTRIBUTED:
         output:
             peaks="results/{sweep}/{gpu}/peak_memory.parquet",
         wildcard_constraints:
-            sweep="distributed|distributed_heldout|distributed_8|distributed_mp_bf16",
+            sweep="distributed|distributed_heldout|distributed_8|distributed_mp_bf16|deepspeed|deepspeed_heldout",
         log:
             "logs/sweep_{sweep}_{gpu}.log",
         resources:

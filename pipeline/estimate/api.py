@@ -27,7 +27,7 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
              expandable_segments=False, client=None, optim=None, gradient_accumulation=None,
              training_args=None, num_gpus=None, sharding=None, adapter=None, liger_kernel=None, completion_share=None,
              sft_config=None, weights_dtype=None, declared_dtype=None, shard_group=None, tensor_parallel=None,
-             accelerate_config=None) -> tuple[Run, list]:
+             accelerate_config=None, deepspeed=None) -> tuple[Run, list]:
     """The Run of the user's options, and notes. `training_args` (a TrainingArguments JSON path or dict)
     sets the trainer client and what it names, `sft_config` (TRL's SFT config, YAML or JSON) the sft
     client and what it names; an option given explicitly wins over a file's.
@@ -58,6 +58,10 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
         if "autocast" in launch and "autocast" not in from_file:  # the training file's bf16 / fp16 wins
             from_file["autocast"] = launch.pop("autocast")
         from_file = {**launch, **{k: v for k, v in from_file.items() if k != "sharding" or "sharding" not in launch}}
+    deepspeed = deepspeed if deepspeed is not None else from_file.pop("deepspeed_source", None)
+    from_file.pop("deepspeed_source", None)
+    if deepspeed is not None:
+        from_file = with_deepspeed(from_file, deepspeed, sharding)
     notes += from_file.pop("notes", [])
     given = {key: from_file.get(key) if value is None else value for key, value in given.items()}
     if given["sharding"] is not None and given["num_gpus"] is None:
@@ -95,8 +99,26 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
               1 if given["num_gpus"] is None else given["num_gpus"], given["sharding"], shard_group,
               1 if tensor_parallel is None else tensor_parallel, given["adapter"],
               liger_kernel=False if given["liger_kernel"] is None else given["liger_kernel"],
-              completion_share=1.0 if completion_share is None else completion_share)
+              completion_share=1.0 if completion_share is None else completion_share,
+              deepspeed=from_file.get("deepspeed"))
     return run, [*notes, *(given["adapter"].notes if given["adapter"] is not None else ())]
+
+
+def with_deepspeed(from_file: dict, source, sharding) -> dict:
+    """The settings of the files with a DeepSpeed config's (`training.zero.read_deepspeed`): its stage is the
+    sharding (an explicit other one is refused), its batch, accumulation and bf16 / fp16 where it fixes them and
+    the training file does not."""
+    from pipeline.training.zero import read_deepspeed
+
+    settings = read_deepspeed(source)
+    if sharding is not None and sharding != settings["sharding"]:
+        raise UserError(f"sharding {sharding} is not the DeepSpeed config's ({settings['sharding']}: its stage)")
+    merged = {**from_file, "sharding": settings["sharding"], "deepspeed": settings["deepspeed"],
+              "notes": [*from_file.get("notes", []), *settings["notes"]]}
+    for key in ("batch", "gradient_accumulation", "autocast"):
+        if key in settings and from_file.get(key) is None:
+            merged[key] = settings[key]
+    return merged
 
 
 def model_of_file(model, config, params, sft_config) -> tuple:
@@ -111,7 +133,8 @@ def model_of_file(model, config, params, sft_config) -> tuple:
 
 RUN_OPTIONS = ("batch", "seq", "precision", "optimizer", "checkpointing", "attn_implementation", "expandable_segments",
                "client", "optim", "gradient_accumulation", "training_args", "num_gpus", "sharding", "liger_kernel",
-               "completion_share", "sft_config", "weights_dtype", "shard_group", "tensor_parallel", "accelerate_config")
+               "completion_share", "sft_config", "weights_dtype", "shard_group", "tensor_parallel", "accelerate_config",
+               "deepspeed")
 
 
 def prepared(what: dict, options: dict, method, coefficients, dev: Device | None) -> tuple:
@@ -121,25 +144,32 @@ def prepared(what: dict, options: dict, method, coefficients, dev: Device | None
     quantization, peft_config)."""
     from pipeline.estimate.targets import declared_weights_dtype
 
-    check_choice("method", method, METHODS)
     what = dict(what)
     what["model"], notes = model_of_file(what["model"], what["config"], what["params"], options.get("sft_config"))
     adapter = adapter_from_options(*(options.get(k) for k in ("lora_r", "lora_alpha", "lora_targets", "quantization",
                                                               "peft_config")))
     run, file_notes = make_run(**{k: options[k] for k in RUN_OPTIONS if k in options}, adapter=adapter,
                                declared_dtype=lambda: declared_weights_dtype(what["model"], what["config"]))
+    method = default_method(run) if method is None else method
+    check_choice("method", method, METHODS)
     estimator, target = prepare(method, coefficients, what["model"], what["config"], what["params"],
                                 what["active_params"])
     return estimator, target, limited(run, dev), [*notes, *file_notes]
 
 
+def default_method(run: Run) -> str:
+    """The method of a question that names none: exact for DeepSpeed's ZeRO (it runs DeepSpeed's code; the
+    closed forms refuse it), else the heuristic."""
+    return "exact" if run.deepspeed is not None else "heuristic"
+
+
 def estimate(model=None, config=None, params=None, *, batch=None, seq=None, precision=None, optimizer=None,
-             checkpointing=None, method="heuristic", coefficients=None, gpu=None, gpu_memory_gib=None,
+             checkpointing=None, method=None, coefficients=None, gpu=None, gpu_memory_gib=None,
              attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
              gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
              lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
              completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
-             accelerate_config=None) -> dict:
+             accelerate_config=None, deepspeed=None) -> dict:
     """Peak memory of a training step at (batch, seq), with its components (bytes).
 
     Give one of `model` (registry or Hub id), `config` (config.json path, its dict, or a
@@ -171,6 +201,13 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
     `accelerate_config` (an accelerate config file: num_processes, distributed_type, mixed_precision, fsdp_config);
     the Trainer clients take the FSDP keys of their training files too. `batch` is per data-parallel rank; the
     answer is one GPU's (every rank holds the same), its fit verdict per GPU with NCCL's memory outside PyTorch.
+    DeepSpeed's ZeRO as the Trainer clients run it: `sharding` zero1 | zero2 | zero3 (its defaults), or
+    `deepspeed` (a DeepSpeed config JSON path or dict, as `--deepspeed ds_config.json` gives the Trainer; its stage
+    is the sharding; the `deepspeed` key of a training file or an accelerate config's deepspeed_config likewise),
+    answered by the exact method, which runs DeepSpeed's code.
+
+    `method`: blog, heuristic, formula or exact; None: heuristic, or exact for DeepSpeed (the closed forms do
+    not model ZeRO's buffers).
     """
     options = dict(locals())
     dev = gpu_of(gpu, gpu_memory_gib)
@@ -219,12 +256,12 @@ def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = 
 
 
 def max_batch_size(model=None, config=None, params=None, *, seq=None, precision=None, gpu=None, gpu_memory_gib=None,
-                   optimizer=None, checkpointing=None, method="heuristic", coefficients=None,
+                   optimizer=None, checkpointing=None, method=None, coefficients=None,
                    attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
                    gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
                    lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
                    completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
-                   accelerate_config=None) -> int:
+                   accelerate_config=None, deepspeed=None) -> int:
     """The largest batch that fits the GPU at sequence length `seq` (0: none), by the fit verdict;
     the options are `estimate`'s."""
     options = dict(locals(), batch=1)
@@ -234,12 +271,12 @@ def max_batch_size(model=None, config=None, params=None, *, seq=None, precision=
 
 
 def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=None, gpu=None, gpu_memory_gib=None,
-                optimizer=None, checkpointing=None, method="heuristic", coefficients=None,
+                optimizer=None, checkpointing=None, method=None, coefficients=None,
                 attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
                 gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
                 lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
                 completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
-                accelerate_config=None) -> int:
+                accelerate_config=None, deepspeed=None) -> int:
     """The longest sequence that fits the GPU at batch size `batch` (0: none), by the fit verdict,
     at most the model's context length when its config gives one; the options are `estimate`'s."""
     options = dict(locals(), seq=1)
@@ -265,17 +302,19 @@ def layouts_answer(estimator, target, run, dev, fewest: bool, num_gpus: int | No
 
 
 def layouts(model=None, config=None, params=None, *, batch=None, seq=None, precision=None, optimizer=None,
-            checkpointing=None, method="heuristic", coefficients=None, gpu=None, gpu_memory_gib=None,
+            checkpointing=None, method=None, coefficients=None, gpu=None, gpu_memory_gib=None,
             attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
             gradient_accumulation=None, training_args=None, num_gpus=None, lora_r=None, lora_alpha=None,
             lora_targets=None, quantization=None, peft_config=None, liger_kernel=None, completion_share=None,
-            sft_config=None, weights_dtype=None, accelerate_config=None, min_gpus=False) -> dict:
+            sft_config=None, weights_dtype=None, accelerate_config=None, min_gpus=False, deepspeed=None) -> dict:
     """The layouts that fit a GPU: a table of layouts (ddp, fsdp, fsdp-no-reshard; the loop also hsdp across nodes
     and tensor parallelism within one) for N = 1, 2, 4, ... up to `num_gpus` (default 8), each with its per-GPU
     peak, reserved bytes and verdict; with `min_gpus` the fewest GPUs that fit (doubling up to `num_gpus`, default
     4096) and the best layout there. The other options are `estimate`'s (an `accelerate_config` gives its mixed
     precision and what it says of the clients); the layout is the table's to vary."""
     options = dict(locals(), num_gpus=None)
+    if options.get("deepspeed") is not None:
+        raise UserError("the layouts table compares ddp and FSDP2 layouts; ask a DeepSpeed config with num_gpus")
     dev = required_device(gpu, gpu_memory_gib)
     estimator, target, run, notes = prepared(_what(options), options, method, coefficients, dev)
     return with_notes(layouts_answer(estimator, target, run, dev, min_gpus, num_gpus), notes)

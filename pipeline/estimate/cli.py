@@ -62,7 +62,8 @@ def add_cli(subparsers) -> None:
                         help="GPUs of the run (with --sharding; --batch is per data-parallel rank)")
     parser.add_argument("--sharding", choices=SHARDINGS, default=None,
                         help="ddp, or FSDP2 per decoder layer and the root (fsdp: resharded after forward), or hsdp "
-                             "(FSDP2 over --shard-group GPUs, replicated across the rest)")
+                             "(FSDP2 over --shard-group GPUs, replicated across the rest), or DeepSpeed's ZeRO stage "
+                             "as the Trainer clients run it (zero1, zero2, zero3; or --deepspeed FILE)")
     parser.add_argument("--shard-group", type=positive_int, default=None, metavar="S",
                         help="hsdp: the GPUs one copy of the model is sharded over (usually a node's 8)")
     parser.add_argument("--tensor-parallel", type=positive_int, default=None, metavar="T",
@@ -76,7 +77,11 @@ def add_cli(subparsers) -> None:
                               "N = 1, 2, 4, ... up to --num-gpus (default 8), each per-GPU peak and verdict (--gpu)")
     layouts.add_argument("--min-gpus", action="store_true",
                          help="the fewest GPUs (1, 2, 4, ...) with a layout that fits --gpu, and the layouts tried")
-    parser.add_argument("--method", choices=METHODS, default="heuristic")
+    parser.add_argument("--deepspeed", default=None, metavar="FILE",
+                        help="a DeepSpeed config (as the Trainer's --deepspeed takes it): its ZeRO stage is the "
+                             "sharding (zero1, zero2, zero3), with --num-gpus; answered by the exact method")
+    parser.add_argument("--method", choices=METHODS, default=None,
+                        help="default: heuristic, or exact for DeepSpeed (--deepspeed, --sharding zero1-3)")
     parser.add_argument("--coefficients", default=None, help=f"coefficient file (default {COEFFICIENTS})")
     gpu = parser.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", default=None, metavar="NAME", help=f"the GPU, one of: {', '.join(DEVICES)}")
@@ -117,6 +122,8 @@ def _estimate_command(args) -> int:
     options = dict(vars(args), batch=1 if args.max_batch_size and args.batch is None else args.batch,
                    seq=1 if args.max_seq_len and args.seq is None else args.seq, gpu_memory_gib=args.gpu_memory)
     if args.layouts or args.min_gpus:  # the layouts are the answer's: the question is the run on one GPU
+        if args.deepspeed is not None:
+            raise UserError("the layouts table compares ddp and FSDP2 layouts; ask a DeepSpeed config with --num-gpus")
         options.update(num_gpus=None, sharding=None, shard_group=None, tensor_parallel=None)
     dev = gpu_of(args.gpu, args.gpu_memory)
     if args.method != "formula" and args.params is None:  # the model is built: transformers is imported

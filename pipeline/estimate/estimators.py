@@ -52,6 +52,9 @@ class ClosedFormEstimator(Estimator):
     def check_client(run: Run) -> None:
         if run.client in EXACT_ONLY_CLIENTS:
             raise UserError(f"client {run.client} is estimated by the exact method only (method exact, --method exact)")
+        if run.deepspeed is not None:
+            raise UserError(f"DeepSpeed's ZeRO ({run.sharding}) is estimated by the exact method only, which runs "
+                            "DeepSpeed's code (method exact, --method exact)")
 
     @staticmethod
     def with_adapter(components: dict, target: Target, run: Run) -> dict:

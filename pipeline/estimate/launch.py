@@ -4,7 +4,8 @@ TrainingArguments or SFTConfig file, and an accelerate config file (`accelerate 
 
 FSDP is FSDP2 here (transformers' `fsdp_config` version 2, its default; accelerate's `fsdp_version: 2`):
 `full_shard` (or `reshard_after_forward: true`) is `fsdp`, `shard_grad_op` (`false`) is `fsdp-no-reshard`.
-What the simulator does not run is refused in one line (FSDP1, CPU offload, DeepSpeed, TPUs, a mixed precision other than no, bf16, fp16); what changes
+DeepSpeed (an accelerate config's `distributed_type: DEEPSPEED`, a training file's `deepspeed` key) is read by
+`pipeline.training.zero`. What the simulator does not run is refused in one line (FSDP1, CPU offload, TPUs, a mixed precision other than no, bf16, fp16); what changes
 no memory of a step (state-dict types, loading, prefetch knobs of FSDP1) is accepted; what changes memory in a
 way no estimator models is named in the answer's notes. Unknown keys are refused, so that a typo is not an
 answer to another question.
@@ -123,7 +124,7 @@ def read_accelerate_config(source) -> dict:
         settings.update({k: v for k, v in _with_config("fsdp", fsdp, label).items() if k != "notes"})
         settings["notes"] += _with_config("fsdp", fsdp, label)["notes"]
     elif kind == "DEEPSPEED":
-        raise UserError(f"{label}: DeepSpeed is not simulated yet (ddp and FSDP2 are)")
+        settings["deepspeed_source"] = deepspeed_of_accelerate(config.get("deepspeed_config"), label)
     else:
         raise UserError(f"{label}: distributed_type {short(kind)} is not simulated (NO, MULTI_GPU, FSDP are)")
     precision = str(config.get("mixed_precision", "no")).lower()
@@ -131,9 +132,41 @@ def read_accelerate_config(source) -> dict:
         raise UserError(f"{label}: mixed_precision {short(precision)} is not simulated (no, bf16, fp16)")
     if "mixed_precision" in config:
         settings["autocast"] = AUTOCAST[precision]
-    if settings["num_gpus"] > 1 and "sharding" not in settings:
-        raise UserError(f"{label}: {settings['num_gpus']} processes need a distributed_type (MULTI_GPU, FSDP)")
+    if settings["num_gpus"] > 1 and "sharding" not in settings and "deepspeed_source" not in settings:
+        raise UserError(f"{label}: {settings['num_gpus']} processes need a distributed_type (MULTI_GPU, FSDP, "
+                        "DEEPSPEED)")
     return settings
+
+
+# accelerate's deepspeed_config keys (`accelerate config` writes them) and the DeepSpeed config keys they stand for
+ACCELERATE_DEEPSPEED = {"zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
+                        "offload_param_nvme_path", "gradient_accumulation_steps", "gradient_clipping", "zero3_init_flag",
+                        "zero3_save_16bit_model", "deepspeed_config_file", "deepspeed_multinode_launcher",
+                        "deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
+                        "deepspeed_moe_layer_cls_names", "transformer_moe_cls_names", "enable_msamp", "msamp_opt_level"}
+
+
+def deepspeed_of_accelerate(section, label: str):
+    """The DeepSpeed config an accelerate config launches: its `deepspeed_config_file`, or the one accelerate's
+    DeepSpeedPlugin makes of zero_stage, the offload devices, accumulation and clipping ("auto" elsewhere)."""
+    if not isinstance(section, dict):
+        raise UserError(f"{label}: distributed_type DEEPSPEED needs a deepspeed_config (zero_stage, or "
+                        "deepspeed_config_file)")
+    unknown = sorted(set(section) - ACCELERATE_DEEPSPEED)
+    if unknown:
+        raise UserError(f"{label}: unknown deepspeed_config key {short(unknown[0])}")
+    if section.get("deepspeed_config_file"):
+        return section["deepspeed_config_file"]
+    zero = {"stage": section.get("zero_stage", 2)}
+    for key in ("offload_optimizer", "offload_param"):
+        device = section.get(f"{key}_device", "none")
+        if device not in (None, "none"):
+            zero[key] = {"device": device}
+    config = {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):
+        if key in section:
+            config[key] = section[key]
+    return config
 
 
 def _load_accelerate(source) -> tuple[dict, str]:

@@ -42,13 +42,15 @@ def read_training_args(source) -> dict:
 
 def with_fsdp(settings: dict, args: dict, label: str) -> None:
     """The sharding a training file's `fsdp` / `fsdp_config` keys launch (`estimate.launch.fsdp_settings`), in
-    `settings` (FSDP's activation checkpointing too; its notes added); its `deepspeed` key is refused."""
+    `settings` (FSDP's activation checkpointing too; its notes added); its `deepspeed` key (a DeepSpeed config's
+    path or dict) as `deepspeed_source`, read by `training.zero.read_deepspeed` where the run is made."""
     from pipeline.estimate.launch import fsdp_settings
 
-    if args.get("deepspeed") not in (None, False, "", [], {}):
-        raise UserError(f"{label}: DeepSpeed is not simulated yet (ddp and FSDP2 are): drop its deepspeed key to "
-                        "ask without it")
     fsdp = fsdp_settings(args.get("fsdp"), args.get("fsdp_config"), label)
+    if args.get("deepspeed") not in (None, False, "", [], {}):
+        if "sharding" in fsdp:
+            raise UserError(f"{label}: fsdp and deepspeed are both given (the Trainer takes one of them)")
+        settings["deepspeed_source"] = args["deepspeed"]
     settings["notes"] += fsdp.pop("notes", [])
     if fsdp.get("checkpointing"):
         settings["checkpointing"] = True

@@ -5,7 +5,8 @@ answer, which is what `python -m pipeline estimate ... --json` prints for the sa
 
 What the server refuses that the command line allows (one `UserError` line each, HTTP 400): a path
 where the library takes a path or a dict (`config`, `training_args`, `peft_config`, `sft_config`,
-`accelerate_config`: the server reads no file of its host, it takes their JSON objects), another coefficient
+`accelerate_config`, `deepspeed`: the server reads no file of its host, it takes their JSON objects; nor a path
+inside one), another coefficient
 file, an attention implementation other than the library's default, sdpa or eager (a named kernel may be
 fetched from the Hub), and questions beyond `LIMITS`. `min_gpus` without `num_gpus` searches up to the
 server's limit of GPUs (the command's default is the library's, `vocabulary.MAX_GPUS`).
@@ -37,7 +38,7 @@ LAYOUT_FIELDS = ("sharding", "shard_group", "tensor_parallel")
 # Fields the server will not take from a request, and why.
 REFUSED = {"coefficients": "the server answers with its own coefficient file"}
 # Fields that are JSON objects (the library also takes a path: the server does not).
-OBJECTS = ("config", "training_args", "peft_config", "sft_config", "accelerate_config")
+OBJECTS = ("config", "training_args", "peft_config", "sft_config", "accelerate_config", "deepspeed")
 INTEGERS = ("batch", "seq", "num_gpus", "shard_group", "tensor_parallel", "gradient_accumulation", "lora_r",
             "lora_alpha")
 BOOLEANS = ("checkpointing", "expandable_segments", "liger_kernel", *SEARCHES)
@@ -71,6 +72,14 @@ def check(question) -> dict:
     for name in OBJECTS:
         if name in q and not isinstance(q[name], dict):
             raise UserError(f"{name} must be a JSON object (the content of the file); the server reads no paths")
+    for name in ("training_args", "sft_config"):
+        if isinstance(q.get(name, {}).get("deepspeed"), str):
+            raise UserError(f"{name}'s deepspeed names a file; the server reads no paths: give the DeepSpeed config "
+                            "as the deepspeed object")
+    if isinstance(q.get("accelerate_config", {}).get("deepspeed_config"), dict) \
+            and q["accelerate_config"]["deepspeed_config"].get("deepspeed_config_file"):
+        raise UserError("accelerate_config's deepspeed_config_file names a file; the server reads no paths: give the "
+                        "DeepSpeed config as the deepspeed object")
     for name in BOOLEANS:
         if name in q and not isinstance(q[name], bool):
             raise UserError(f"{name} must be true or false, not {q[name]!r}")

@@ -135,14 +135,15 @@ def _check_zero(zero: dict, stage: int, label: str) -> None:
         raise UserError(f"{label}: unknown zero_optimization key {short(unknown[0])}")
     for key, what in ZERO_REFUSED.items():
         value = zero.get(key)
-        if value not in (None, False, 0, 1, -1) and _enabled(value):  # 1: one partition, -1: MiCS off
+        on = value is True if isinstance(value, bool) else value not in (None, 0, 1, -1) and _enabled(value)
+        if on:  # a partition size of 1 is one partition, -1 is MiCS off
             raise UserError(f"{label}: {what} ({key}) is not simulated")
     for key in ("offload_optimizer", "offload_param"):
         device = _offload_device(zero.get(key), key, label)
+        if key == "offload_param" and device != "none" and stage != 3:
+            raise UserError(f"{label}: offload_param is stage 3's; stage {stage} offloads the optimizer only")
         if device == "nvme":
             raise UserError(f"{label}: {key} to NVMe is not simulated (cpu is)")
-        if key == "offload_param" and device == "cpu" and stage != 3:
-            raise UserError(f"{label}: offload_param is stage 3's; stage {stage} offloads the optimizer only")
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                 "stage3_max_live_parameters", "stage3_param_persistence_threshold", "stage3_max_reuse_distance",
                 "sub_group_size"):
@@ -203,9 +204,9 @@ def _autocast(config: dict, label: str):
         flags[key] = enabled
     if flags["bf16"] is True and flags["fp16"] is True:
         raise UserError(f"{label}: bf16 and fp16 are both enabled")
-    if "auto" in flags.values():
-        return "auto"
-    return "bf16" if flags["bf16"] else "fp16" if flags["fp16"] else None
+    if True in flags.values():
+        return "bf16" if flags["bf16"] is True else "fp16"
+    return "auto" if "auto" in flags.values() else None
 
 
 def _check_optimizer(section, label: str) -> None:

@@ -8,7 +8,8 @@ DDP; the peak counter reset before the first step. The Trainer clients (trainer,
 with random weights on the GPU and moved to the CPU (as `from_pretrained` leaves it, in its dtype), the
 Trainer wraps or shards it, and the peak counter is reset when training begins (`on_train_begin`).
 
-Beside the peaks each row holds what the reserved bytes do not: `nvml_context_bytes` (the process's NVML
+Beside the peaks each row holds the host's resident memory before training and its peak (`host_before_bytes`,
+`host_peak_bytes`: what ZeRO-Offload keeps on the host shows there), and what the reserved bytes do not: `nvml_context_bytes` (the process's NVML
 figure before the first collective minus the reserved bytes then: the CUDA context without NCCL), and at the
 end of training, before anything is let go, `nvml_train_end_bytes` and `reserved_train_end_bytes` (their
 difference is the memory outside PyTorch, NCCL's included) and `reserved_by_stream` (the caching allocator's
@@ -24,7 +25,8 @@ from pathlib import Path
 
 from pipeline.measure.point import base_columns, build_point_model, finish_row, measure_point
 
-EXTRA_COLUMNS = ("num_gpus", "sharding", "shard_group", "tensor_parallel", "deepspeed", "deepspeed_version", "rank", "split", "first_in_process", "nvml_context_bytes",
+EXTRA_COLUMNS = ("num_gpus", "sharding", "shard_group", "tensor_parallel", "deepspeed", "deepspeed_version",
+                 "host_before_bytes", "host_peak_bytes", "rank", "split", "first_in_process", "nvml_context_bytes",
                  "nvml_train_end_bytes", "reserved_train_end_bytes", "reserved_by_stream")
 
 
@@ -59,7 +61,9 @@ def measure_rank(args) -> dict:
         model, built = model_on_host(record, setting, args.precision, device, args.batch)
         row.update(built, step_flops=6.0 * built["parameters"] * args.batch * args.seq)
         row.update(context_columns(device))
+        host_before = resident_bytes()
         row.update(measure_point(model, setting, args.precision, args.batch, args.seq, device))
+        row.update(host_before_bytes=host_before, host_peak_bytes=peak_resident_bytes())
     if isinstance(row.get("reserved_by_stream"), dict):
         row["reserved_by_stream"] = json.dumps(row["reserved_by_stream"])
     extra = {column: row.get(column) for column in EXTRA_COLUMNS}
@@ -90,6 +94,25 @@ def model_on_host(record, setting, precision: str, device: str, batch: int):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return model, built
+
+
+def resident_bytes() -> int | None:
+    """The process's resident host memory now (Linux: /proc/self/statm)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_resident_bytes() -> int:
+    """The process's peak resident host memory so far (getrusage's maxrss: KiB on Linux). With
+    `host_before_bytes` (resident before training) it bounds what ZeRO-Offload keeps on the host."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def deepspeed_version(config: str | None) -> str | None:

@@ -18,8 +18,12 @@ and its steps in the Trainer's order) runs inside the world of one rank of N:
 - the peak counters reset when training begins (`on_train_begin`, after `_prepare_for_training`), as the
   measurement resets them (`pipeline.measure.distributed`).
 
+DeepSpeed's ZeRO (sharding zero1-3, the run's `deepspeed` config): accelerate's DeepSpeed plugin calls
+`deepspeed.initialize`, whose code runs on meta (`zero.meta_deepspeed`); under zero3 the model is built
+partitioned, under `deepspeed.zero.Init`, as a script builds it after its training arguments (`zero_init`).
+
 Not simulated (one line each, UserError): amp-fp16 (a gradient scaler over sharded gradients), QLoRA under
-FSDP2 (accelerate leaves 4-bit weights out of the sharding), Liger's kernels under FSDP2.
+FSDP2 and ZeRO (accelerate leaves 4-bit weights out of the sharding), Liger's kernels under FSDP2 and ZeRO.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ class World:
         """on_train_begin: the models on the GPU now are counted as parameters, the peak counters reset."""
         for model in run.models():
             self.trace.watch(model)
+        if run.trainer.is_deepspeed_enabled:
+            from pipeline.simulate.distributed.zero import retag_states
+
+            retag_states(run.trainer.model_wrapped.optimizer, self.trace.tracker)
         self.trace.tracker.reset_peaks()
 
 
@@ -70,7 +78,7 @@ def sharded_client_peak(config, run: Run) -> Estimate:
     tracker = trace.tracker
     tracker.stream = stream_name
     with fake_world(run.layout), meta_fsdp(), accelerate_on_gpus(run.num_gpus), arrivals(tracker), roles(tracker), \
-            deepspeed_world(run, tracker):
+            deepspeed_world(run, tracker) as host:
         with zero_init(run, trace):
             model = host_model(config, run)
         with trace.rules, tracker, tracker.placed(host=True):  # the trainer's __init__ (DDP moves the model)
@@ -79,6 +87,8 @@ def sharded_client_peak(config, run: Run) -> Estimate:
         step_run.world = World(trace)
         result = simulate_run(step_run, trace=trace)
     result.update(run.layout.columns())
+    if host is not None:
+        result["host_peak_bytes"] = host.peak
     if run.adapter is not None:
         from pipeline.training.adapters import trainable_parameters
 
@@ -90,14 +100,16 @@ def sharded_client_peak(config, run: Run) -> Estimate:
 
 @contextlib.contextmanager
 def deepspeed_world(run: Run, tracker):
-    """DeepSpeed on the meta device (`zero.meta_deepspeed`) for zero1-3, else nothing."""
+    """DeepSpeed on the meta device (`zero.meta_deepspeed`) for zero1-3, else nothing; yields ZeRO-Offload's host
+    placement (None without offload)."""
     if run.deepspeed is None:
-        yield
+        yield None
         return
     from pipeline.simulate.distributed.zero import meta_deepspeed
+    from pipeline.training.zero import offload_devices
 
-    with meta_deepspeed(tracker):
-        yield
+    with meta_deepspeed(tracker, "cpu" in offload_devices(run.deepspeed).values()) as placement:
+        yield placement
 
 
 @contextlib.contextmanager
@@ -122,11 +134,19 @@ def check_sharded_client(run: Run) -> None:
                         "ddp, fsdp and fsdp-no-reshard")
     if precision_mode(run.precision).scaler:
         raise UserError("amp-fp16 (a gradient scaler over sharded gradients) is not simulated on several GPUs yet")
-    if run.sharding != "ddp" and run.adapter is not None and run.adapter.quantization:
+    if run.sharding in ("fsdp", "fsdp-no-reshard") and run.adapter is not None and run.adapter.quantization:
         raise UserError("QLoRA under FSDP2 is not simulated yet (accelerate leaves 4-bit weights out of the "
                         "sharding); ddp is")
     if run.sharding != "ddp" and run.liger_kernel:
-        raise UserError("Liger's kernels under FSDP2 are not simulated yet; ddp is")
+        raise UserError("Liger's kernels under FSDP2 and ZeRO are not simulated yet; ddp is")
+    if run.deepspeed is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise UserError("sharding zero1-3 runs DeepSpeed's code, which is not installed here "
+                            "(pip install -e \".[deepspeed]\")")
+        if run.adapter is not None and run.adapter.quantization:
+            raise UserError("QLoRA under DeepSpeed's ZeRO is not simulated yet; ddp is")
 
 
 def host_model(config, run: Run):

@@ -11,8 +11,9 @@ meta device and counted by the tracker. What is stood in for, each because it ne
 - DeepSpeed's accelerator (`deepspeed.accelerator`) is its CPU accelerator with the device name "meta" and the
   fake process group's backend name (its `get_accelerator().device_name()` is where DeepSpeed makes its
   buffers); its shared-memory communication op is not built (a CPU op that the fake group does not need);
-- `has_overflow` of both optimizers answers False (a value read back from the device; bf16 has no loss scaler,
-  fp16's dynamic scaler is taken to find no overflow, as on all but a few first steps);
+- `has_overflow` of both optimizers and stage 1-2's `_has_inf_or_nan` (ZeRO-Offload's per-gradient check) answer
+  False (a value read back from the device; bf16 has no loss scaler, fp16's dynamic scaler is taken to find no
+  overflow, as on all but a few first steps);
 - stage 3's `defragment` (stage3.py: a copy of every partition through the host into one flat buffer) makes
   the flat buffer on the device with the partitions as views of it, without the trip through the host;
 - `assert_ints_same_as_other_ranks` (a check that every rank traces the same modules) is skipped: one rank;
@@ -30,9 +31,30 @@ import contextlib
 from pipeline.core.patches import attributes_set
 
 
-def meta_accelerator():
-    """DeepSpeed's CPU accelerator, named "meta" (see the module docstring)."""
+def meta_accelerator(tracker):
+    """DeepSpeed's CPU accelerator, named "meta" (see the module docstring), with CUDA's streams and cache as the
+    simulation has them: torch.cpu's stream stubs (whose blocks `tracker` pools per stream, as FSDP2's) and the
+    allocator replay's `empty_cache` (DeepSpeed empties CUDA's cache in its setup and steps)."""
+    import torch
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    class MetaStream(torch.cpu.Stream):
+        """A CUDA stream's methods that DeepSpeed calls, each done at once (one process runs one rank)."""
+
+        def synchronize(self):
+            pass
+
+        def wait_stream(self, stream):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+        def record_event(self, event=None):
+            return event or torch.cpu.Event()
+
+        def query(self):
+            return True
 
     class MetaAccelerator(CPU_Accelerator):
         def __init__(self):
@@ -52,13 +74,35 @@ def meta_accelerator():
         def create_op_builder(self, op_name):
             return None if op_name == "ShareMemCommBuilder" else super().create_op_builder(op_name)
 
+        def is_synchronized_device(self):  # a GPU's: DeepSpeed overlaps its collectives on streams of their own
+            return False
+
+        def Stream(self, *args, **kwargs):  # noqa: N802 - DeepSpeed's name
+            return MetaStream()
+
+        def Event(self, *args, **kwargs):  # noqa: N802 - DeepSpeed's name
+            return torch.cpu.Event()
+
+        def stream(self, stream):
+            return torch.cpu.stream(stream) if stream is not None else contextlib.nullcontext()
+
+        def current_stream(self, device_index=None):
+            return torch.cpu.current_stream()
+
+        def default_stream(self, device_index=None):
+            return torch.cpu._default_cpu_stream
+
+        def empty_cache(self):
+            tracker.empty_cache()
+
     return MetaAccelerator()
 
 
 @contextlib.contextmanager
-def meta_deepspeed(tracker):
+def meta_deepspeed(tracker, offload: bool = False):
     """DeepSpeed on the meta device (see the module docstring), its model arriving on the GPU through `tracker`;
-    undone on exit."""
+    undone on exit. `offload`: ZeRO-Offload's host tensors on meta, not counted (`HostOnMeta`, the tracker's
+    host placement), which it yields (None without offload)."""
     import deepspeed.accelerator.real_accelerator as real_accelerator
     import deepspeed.runtime.zero.linear as zero_linear
     import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
@@ -90,20 +134,73 @@ def meta_deepspeed(tracker):
         with tracker.placed(host=False):
             return configure(self, model)
 
+    record_stream = torch.Tensor.record_stream
+
+    def recorded(tensor, stream):
+        """A meta tensor keeps no stream's events: its block is free for reuse when freed (CUDA's allocator
+        frees a block recorded on another stream once that stream's work is done, soon after)."""
+        if not tensor.is_meta:
+            record_stream(tensor, stream)
+
     never = lambda self, *args, **kwargs: False  # noqa: E731
     skip = lambda *args, **kwargs: None  # noqa: E731
-    patches = [(real_accelerator, "ds_accelerator", meta_accelerator()),
+    patches = [(real_accelerator, "ds_accelerator", meta_accelerator(tracker)),
                (stage3, "defragment", defragment),
                (DeepSpeedZeroOptimizer, "has_overflow", never),
+               (DeepSpeedZeroOptimizer, "_has_inf_or_nan", staticmethod(lambda *args, **kwargs: False)),
                (stage3.DeepSpeedZeroOptimizer_Stage3, "has_overflow", never),
                (zero_utils, "assert_ints_same_as_other_ranks", skip),
                (coordinator, "assert_ints_same_as_other_ranks", skip),
                (zero_linear, "get_accelerator", CudaAutocast),
                (zero_linear, "_get_autocast_dtype", lambda device_type: torch.get_autocast_dtype("cuda")),
                (zero_linear, "_is_autocast_enabled", lambda device_type: torch.is_autocast_enabled("cuda")),
-               (DeepSpeedEngine, "_configure_distributed_model", configure_distributed_model)]
-    with attributes_set(patches), world_state_restored():
-        yield
+               (DeepSpeedEngine, "_configure_distributed_model", configure_distributed_model),
+               (torch.Tensor, "record_stream", recorded)]
+    placement = HostOnMeta() if offload else None
+    patches.append((tracker, "host_placement", placement))
+    with attributes_set(patches), world_state_restored(), quiet():
+        yield placement
+
+
+@contextlib.contextmanager
+def quiet():
+    """DeepSpeed's logs and torch's deprecation warnings of the collectives it calls (each call warns) off the
+    user's terminal."""
+    import logging
+    import warnings
+
+    from deepspeed.utils import logger
+
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def retag_states(optimizer, tracker) -> None:
+    """ZeRO's own buffers under the roles of the answer, by the attributes that hold them (stage_1_and_2.py,
+    stage3.py): the flat bf16 partitions (stage 3) or groups (stages 1-2) as parameters, the fp32 partitions as
+    optimizer_state (the master weights the optimizer steps), the IPG bucket and the gradient partitions as
+    gradients."""
+    import torch
+
+    roles = {"parameters": ("bit16_groups_flat", "fp16_partitioned_groups_flat"),
+             "optimizer_state": ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"),
+             "gradients": ("ipg_buffer", "averaged_gradients", "grad_partitions_flat_buffer",
+                           "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer")}
+    for role, names in roles.items():
+        for name in names:
+            value = getattr(optimizer, name, None)
+            values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
+                else [value]
+            for tensor in values:
+                for item in tensor if isinstance(tensor, (list, tuple)) else [tensor]:
+                    if torch.is_tensor(item) and tracker.is_counted(item):
+                        tracker.retag(item, role)
 
 
 @contextlib.contextmanager
@@ -182,3 +279,55 @@ def zero3_build(run, tracker):
     with zero3_init(run.deepspeed, run.batch, run.gradient_accumulation, run.precision), \
             tracker.placed(host=False), tracker.scope("parameters"):
         yield
+
+
+class HostOnMeta:
+    """ZeRO-Offload's host tensors on the meta device (the tracker's `host_placement`): DeepSpeed makes its
+    offloaded partitions, their gradients and the optimizer's state on the CPU (`device="cpu"`, `.to("cpu")`);
+    here an op asked for the CPU makes a meta tensor instead, not counted on the GPU, and so does every op whose
+    tensors are all such host tensors (the optimizer's step over them). Their bytes at their peak are the host
+    memory the process needs (`peak`)."""
+
+    def __init__(self):
+        self.host = {}  # id(storage) -> bytes of the live host storages
+        self.live = self.peak = 0
+
+    def place(self, func, args, kwargs) -> tuple:
+        """(args, kwargs, on the host?) of an op: a CPU device asked for is the meta device on the host."""
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        asked = kwargs.get("device")
+        if asked is not None:
+            if torch.device(asked).type != "cpu":
+                return args, kwargs, False
+            return args, {**kwargs, "device": torch.device("meta")}, True
+        # a 0-dim tensor beside host tensors (a step count, a learning rate) does not put the op on the GPU
+        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.is_meta and t.dim() > 0]
+        return args, kwargs, bool(tensors) and all(self.is_host(t) for t in tensors)
+
+    def made(self, out) -> None:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                self.add(tensor)
+
+    def is_host(self, tensor) -> bool:
+        return id(tensor.untyped_storage()) in self.host
+
+    def add(self, tensor) -> None:
+        import weakref
+
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self.host:
+            return
+        self.host[key] = storage.nbytes()
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self.remove, key)
+
+    def remove(self, key) -> None:
+        self.live -= self.host.pop(key, 0)

@@ -82,6 +82,8 @@ class LiveBytesTracker(TorchDispatchMode):
         self.peaks = {}  # "total" and each phase name -> Snapshot
         self.stream = None  # () -> the current stream's name (FSDP2's side streams); None: the default stream
         self.on_host = False  # storages made now are on the host: not counted
+        # decides per op whether it runs on the host (ZeRO-Offload: `distributed.zero.HostOnMeta`); None: never
+        self.host_placement = None
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -241,6 +243,17 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.host_placement is None:
+            return self._dispatch(func, args, kwargs)
+        args, kwargs, host = self.host_placement.place(func, args, kwargs)
+        if not host:
+            return self._dispatch(func, args, kwargs)
+        with self.placed(host=True):
+            out = self._dispatch(func, args, kwargs)
+        self.host_placement.made(out)
+        return out
+
+    def _dispatch(self, func, args, kwargs):
         _, stand_in, host_outputs, rule, untracked = self.plans.get(id(func)) or self.plan(func)
         if stand_in is not None:
             out = stand_in(func, args, kwargs)
