@@ -71,7 +71,7 @@ def test_the_fsdp_keys_of_a_training_file_launch_fsdp2():
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda c: c.replace("distributed_type: FSDP", "distributed_type: DEEPSPEED"), "DeepSpeed is not simulated yet"),
+    (lambda c: c.replace("distributed_type: FSDP", "distributed_type: DEEPSPEED"), "needs a deepspeed_config"),
     (lambda c: c.replace("fsdp_version: 2", "fsdp_version: 1"), "FSDP version 1 is not simulated"),
     (lambda c: c + "fsdp_offload_params: true\n", "unknown accelerate config key 'fsdp_offload_params'"),
     (lambda c: c.replace("  fsdp_version: 2", "  fsdp_version: 2\n  fsdp_offload_params: true"),

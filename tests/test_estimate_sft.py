@@ -58,13 +58,17 @@ def test_sft_config_file_sets_the_run(tmp_path):
     assert (run.batch, run.seq, run.checkpointing) == (2, 512, False)  # explicit options win
 
 
-def test_a_deepspeed_config_is_refused_in_one_line(tmp_path):
-    """DeepSpeed shards what the answer would count whole: refused, not answered with a note."""
-    with pytest.raises(UserError, match=r"^.*sft.yaml: DeepSpeed is not simulated yet \(ddp and FSDP2 are\)"):
-        make_run(sft_config=write(tmp_path / "sft.yaml", SFT_YAML + "deepspeed: ds.json\n"))
-    with pytest.raises(UserError, match="DeepSpeed is not simulated yet"):
-        make_run(training_args={"per_device_train_batch_size": 2, "bf16": True, "deepspeed": {"zero_optimization":
-                                                                                             {"stage": 3}}})
+def test_the_deepspeed_key_of_a_training_file_is_its_zero_stage(tmp_path):
+    """The file's DeepSpeed config (a path, or its dict) sets the sharding; a missing file is one line."""
+    with pytest.raises(UserError, match=r"DeepSpeed config not found"):
+        make_run(sft_config=write(tmp_path / "sft.yaml", SFT_YAML + "deepspeed: ds.json\n"), num_gpus=2)
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    run, _ = make_run(sft_config=write(tmp_path / "sft.yaml", SFT_YAML + f"deepspeed: {tmp_path / 'ds.json'}\n"),
+                      num_gpus=2)
+    assert (run.client, run.sharding) == ("sft", "zero2")
+    run, _ = make_run(training_args={"per_device_train_batch_size": 2, "bf16": True,
+                                     "deepspeed": {"zero_optimization": {"stage": 3}}}, num_gpus=4, seq=512)
+    assert (run.client, run.sharding, run.num_gpus) == ("trainer", "zero3", 4)
 
 
 def test_sft_config_defaults_are_trls(tmp_path):

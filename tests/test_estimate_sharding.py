@@ -58,7 +58,8 @@ def test_the_formula_knows_what_fsdp2_gathers_and_pads():
 
 @pytest.mark.parametrize("arguments, message", [
     (["--num-gpus", "4"], "num_gpus 4 needs a sharding"),
-    (["--num-gpus", "4", "--sharding", "zero3"], "invalid choice"),
+    (["--num-gpus", "4", "--sharding", "zero4"], "invalid choice"),
+    (["--num-gpus", "4", "--sharding", "zero3"], "sharding zero3 is DeepSpeed's as the Trainer runs it"),
     (["--sharding", "fsdp"], "sharding fsdp needs the number of GPUs"),
     (["--num-gpus", "4", "--sharding", "fsdp", "--tensor-parallel", "3"], "tensor_parallel 3 does not divide num_gpus 4"),
     (["--num-gpus", "8", "--sharding", "hsdp"], "sharding hsdp needs a shard_group"),

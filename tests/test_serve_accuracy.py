@@ -138,7 +138,7 @@ def test_a_setting_never_measured_says_so(words, label):
     ({"client": "sft"}, "precision"),
     ({"precision": "bf16", "num_gpus": 0}, "num_gpus"),
     ({"precision": "bf16", "num_gpus": 4}, "sharding"),
-    ({"precision": "bf16", "num_gpus": 4, "sharding": "zero3"}, "sharding"),
+    ({"precision": "bf16", "num_gpus": 4, "sharding": "zero4"}, "sharding"),
     ({"precision": "bf16", "num_gpus": 4, "sharding": "fsdp", "tensor_parallel": 0}, "tensor_parallel"),
     ({"precision": "bf16", "lora_r": "16"}, "lora_r"),
     ({"precision": "bf16", "liger_kernel": "yes"}, "liger_kernel"),

@@ -105,7 +105,9 @@ def test_the_fake_world_and_the_fsdp_patches_are_undone():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_gpus=0, sharding="fsdp"), "num_gpus must be a positive integer"),
-    (dict(num_gpus=2, sharding="zero3"), "sharding 'zero3' is not one of ddp, fsdp, fsdp-no-reshard, hsdp"),
+    (dict(num_gpus=2, sharding="zero4"),
+     "sharding 'zero4' is not one of ddp, fsdp, fsdp-no-reshard, hsdp, zero1, zero2, zero3"),
+    (dict(num_gpus=2, sharding="zero3"), "sharding zero3 is DeepSpeed's as the Trainer runs it"),
 ])
 def test_bad_arguments_raise_user_error(kwargs, message):
     from pipeline.simulate.distributed.peak import distributed_peak
@@ -151,7 +153,8 @@ def test_distributed_dry_run_prints_one_torchrun_per_point(tmp_path):
     bad.write_text("models: [x]\nshardings: [zero3]\ngrid: {batch_sizes: [1], seq_lens: [8]}\n")
     result = subprocess.run([sys.executable, "-m", "pipeline.measure.distributed", "--plan", str(bad), "--dry-run"],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and result.stderr.strip() == "error: sharding 'zero3' is not one of ddp, fsdp, fsdp-no-reshard, hsdp"
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"error: {bad}: zero1-3 and deepspeed configs run with the trainer, sft and dpo clients, not loop")
 
 
 def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):

@@ -190,6 +190,9 @@ def human_summary(result: dict) -> str:
     for name, value in (result["components"] or {}).items():
         lines.append(f"  {name:<24} {value / GIB:10.2f} GiB")
     lines.append(f"  {'peak reserved':<24} {result['peak_reserved_bytes'] / GIB:10.2f} GiB (the allocator's segments)")
+    if result.get("host_peak_bytes") is not None:
+        lines.append(f"  {'host memory':<24} {result['host_peak_bytes'] / GIB:10.2f} GiB per process (ZeRO-Offload's "
+                     "partitions, gradients and optimizer state on the CPU; not in the GPU's verdict)")
     if "fits" in result:
         lines.append(f"  fits {result['gpu']} ({result['device_total_bytes'] / GIB:.1f} GiB; reserved + "
                      f"{result['outside_bytes'] / GIB:.2f} GiB outside PyTorch): {'yes' if result['fits'] else 'no'}"

@@ -490,7 +490,8 @@ def draw_saved_bytes_vs_seq_len(results_dir: Path):
 
 
 LAYOUT_COLOURS = {"ddp": "tab:blue", "fsdp": "tab:orange", "fsdp-no-reshard": "tab:red", "hsdp": "tab:green",
-                  "fsdp+tp": "tab:purple", "tp": "tab:brown"}
+                  "fsdp+tp": "tab:purple", "tp": "tab:brown", "zero1": "tab:pink", "zero2": "tab:olive",
+                  "zero3": "tab:cyan"}
 LAYOUT_MODEL = "meta-llama/Llama-3.1-70B"
 
 
@@ -524,7 +525,8 @@ def draw_several_gpus(results_dir: Path):
         ax.legend(fontsize=6)
     draw_peak_vs_gpus_panel(axes[2], read(results_dir, "layouts/peak_vs_gpus.parquet"), rows)
     draw_layouts_panel(axes[3], read(results_dir, "layouts/formula_vs_exact.parquet"))
-    figure.suptitle("Several GPUs: the Trainer, SFT, DPO and the loop under DDP, FSDP2, HSDP and tensor parallelism "
+    figure.suptitle("Several GPUs: the Trainer, SFT, DPO and the loop under DDP, FSDP2, HSDP, tensor parallelism and "
+                    "DeepSpeed ZeRO "
                     "(measured on 2 and 4 H200s; filled: tuned, open: held-out)")
     return figure
 

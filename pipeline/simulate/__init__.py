@@ -18,9 +18,16 @@ simulate-peaks stage) and `cli`.
 Importing this package imports no torch.
 """
 
-from pipeline.simulate.cli import add_cli
-from pipeline.simulate.peaks import SIMULATED_COLUMNS, simulate_peaks
-from pipeline.simulate.api import simulate
-from pipeline.simulate.predict import loop_peak
+import os
+
+# DeepSpeed, imported by the Trainer clients' libraries where it is installed, looks for an accelerator at import
+# and prints a warning to stdout on a machine without a GPU (into an answer's JSON); the simulation runs it on
+# an accelerator of its own (`distributed.zero`), so the choice is made here, before any import of it.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from pipeline.simulate.cli import add_cli  # noqa: E402
+from pipeline.simulate.peaks import SIMULATED_COLUMNS, simulate_peaks  # noqa: E402
+from pipeline.simulate.api import simulate  # noqa: E402
+from pipeline.simulate.predict import loop_peak  # noqa: E402
 
 __all__ = ["SIMULATED_COLUMNS", "add_cli", "loop_peak", "simulate", "simulate_peaks"]

@@ -98,6 +98,11 @@ def read_deepspeed(source, label: str | None = None) -> dict:
     if autocast != "auto":
         settings["autocast"] = autocast
     _check_optimizer(config.get("optimizer"), label)
+    offloaded = any(_offload_device(zero.get(key), key, label) == "cpu" for key in ("offload_optimizer",
+                                                                                      "offload_param"))
+    if offloaded and config.get("optimizer") is None and config.get("zero_force_ds_cpu_optimizer", True) is not False:
+        raise UserError(f"{label}: ZeRO-Offload with the Trainer's optimizer needs \"zero_force_ds_cpu_optimizer\": "
+                        "false (DeepSpeed refuses it otherwise), or an optimizer section (its DeepSpeedCPUAdam)")
     return {**settings, "deepspeed": canonical({**DEFAULT, **config})}
 
 

@@ -88,11 +88,15 @@ def layout_name(row) -> str:
 
 
 def setting_name(row) -> str:
-    """full (fine-tuning), lora or qlora: the validation's groups; bf16-autocast, FSDP2's mixed precision and
-    Liger's kernels are reported apart (", bf16-autocast", ", mp-bf16", "+liger")."""
+    """full (fine-tuning), lora or qlora: the validation's groups; bf16-autocast, FSDP2's mixed precision,
+    Liger's kernels and ZeRO-Offload are reported apart (", bf16-autocast", ", mp-bf16", "+liger", "+offload")."""
     name = "full" if _text(row.lora_r) == "" else "qlora" if _text(row.quantization) else "lora"
     if _text(getattr(row, "liger_kernel", False)) == "True":
         name += "+liger"
+    if _text(getattr(row, "deepspeed", None)):
+        from pipeline.training.zero import offload_devices
+
+        name += "+offload" if "cpu" in offload_devices(row.deepspeed).values() else ""
     if getattr(row, "precision", None) in ("bf16-autocast", "mp-bf16"):
         name += f", {row.precision}"
     return name

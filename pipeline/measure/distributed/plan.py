@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.core.errors import UserError
-from pipeline.core.vocabulary import CLIENTS, PRECISIONS, SHARDINGS, SPLITS, check_choice
+from pipeline.core.vocabulary import CLIENTS, PRECISIONS, SHARDINGS, SPLITS, ZERO_SHARDINGS, check_choice
 from pipeline.training.layout import Layout
 
 DEFAULT_KEYS = {"models", "clients", "precisions", "num_gpus", "shardings", "shard_groups", "tensor_parallel",
@@ -97,9 +97,13 @@ def check_block(block: dict, path) -> None:
         check_choice("client", client, CLIENTS)
     for precision in block.get("precisions", []):
         check_choice("precision", precision, PRECISIONS)
-    for sharding in block.get("shardings", [] if "deepspeed" in block else ["ddp", "fsdp"]):
+    shardings = block.get("shardings", [] if "deepspeed" in block else ["ddp", "fsdp"])
+    for sharding in shardings:
         if sharding is not None:
             check_choice("sharding", sharding, SHARDINGS)
+    zero = block.get("deepspeed") or any(sharding in ZERO_SHARDINGS for sharding in shardings)
+    if zero and "loop" in block.get("clients", ["loop"]):
+        raise UserError(f"{path}: zero1-3 and deepspeed configs run with the trainer, sft and dpo clients, not loop")
     for n in block.get("num_gpus", [2]):
         if not block_layouts(block, n):
             raise UserError(f"{path}: no layout of {n} GPUs among the group's shardings, shard_groups and "

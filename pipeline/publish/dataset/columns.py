@@ -78,12 +78,19 @@ COLUMNS = {
     "trainable_parameters": ("parameters", "parameters that train (the adapters'; N for full fine-tuning)"),
     "num_gpus": ("count", "GPUs of the run (N; 1: one GPU); every peak is one GPU's"),
     "sharding": ("", "how the data-parallel GPUs hold the model: ddp, fsdp (FSDP2, resharding after the forward), "
-                     "fsdp-no-reshard, hsdp (FSDP2 over a shard group, replicated across groups); empty: one GPU or "
-                     "tensor parallelism alone"),
+                     "fsdp-no-reshard, hsdp (FSDP2 over a shard group, replicated across groups), zero1, zero2, zero3 "
+                     "(DeepSpeed's ZeRO stage as the Trainer runs it); empty: one GPU or tensor parallelism alone"),
+    "deepspeed": ("", "zero1-3: the DeepSpeed config the Trainer ran, as JSON (its \"auto\" values filled by the "
+                      "Trainer; empty without DeepSpeed)"),
+    "deepspeed_version": ("", "version of DeepSpeed that ran the point (empty without DeepSpeed)"),
+    "host_before_bytes": ("bytes", "the process's resident host memory before training (several GPUs)"),
+    "host_peak_bytes": ("bytes", "the process's peak resident host memory (getrusage maxrss; with host_before_bytes "
+                                 "it bounds what ZeRO-Offload keeps on the host)"),
     "shard_group": ("count", "hsdp: GPUs one copy of the model is sharded over (empty elsewhere)"),
     "tensor_parallel": ("count", "GPUs each layer's matrices are split over (transformers' tensor-parallel plan; 1: none)"),
     "rank": ("", "the GPU's rank in the run (every rank measured is a row)"),
-    "layout": ("", "the run's layout by name: 1 GPU, ddp, fsdp, fsdp-no-reshard, hsdp, fsdp+tp or tp"),
+    "layout": ("", "the run's layout by name: 1 GPU, ddp, fsdp, fsdp-no-reshard, hsdp, fsdp+tp, tp, zero1, zero2 or "
+                   "zero3"),
     "nvml_context_bytes": ("bytes", "NVML's used memory of the process before the model was built: the CUDA context "
                                     "and, on several GPUs, NCCL's communicators"),
     "nvml_train_end_bytes": ("bytes", "NVML's used memory of the process after the last step"),
@@ -94,7 +101,7 @@ COLUMNS = {
     "exact_git_commit": ("", "commit of the code whose exact simulator gave exact_peak_bytes"),
     "formula_peak_bytes": ("bytes", "per-GPU peak allocated predicted by the closed-form formula"),
     "split": ("", "tuned (plans the simulator and formulas may be tuned on) or held-out (models nobody tuned on)"),
-    "setting": ("", "full (fine-tuning), lora or qlora"),
+    "setting": ("", "full (fine-tuning), lora or qlora (+liger: Liger's kernels, +offload: ZeRO-Offload)"),
     "optimizer": ("", "optimizer of the training step (adamw: torch.optim.AdamW defaults)"),
     "gradient_checkpointing": ("", "gradient checkpointing was on"),
     "attn_implementation": ("", "attention implementation (transformers default when empty)"),

@@ -110,7 +110,7 @@ def prepare_for_training(trainer: Trainer, rules, precision: str, prepared_befor
     def create_optimizer(model=None):
         optimizer = create(trainer, model)
         if trainer.simulated_device.type == "meta":
-            for group in optimizer.param_groups:
+            for group in getattr(optimizer, "param_groups", ()):  # DeepSpeed's DummyOptim has none
                 if group.get("foreach", False) is None and not group.get("fused"):
                     group["foreach"] = True
         return optimizer

@@ -54,7 +54,11 @@ class World:
         if run.trainer.is_deepspeed_enabled:
             from pipeline.simulate.distributed.zero import retag_states
 
-            retag_states(run.trainer.model_wrapped.optimizer, self.trace.tracker)
+            optimizer, tracker = run.trainer.model_wrapped.optimizer, self.trace.tracker
+            if tracker.host_placement is not None:
+                tracker.host_placement.take(getattr(optimizer, "param_buffer_of_bit16_for_cpu_offload_groups", ()),
+                                            tracker)
+            retag_states(optimizer, tracker)
         self.trace.tracker.reset_peaks()
 
 

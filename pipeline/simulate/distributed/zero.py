@@ -14,11 +14,16 @@ meta device and counted by the tracker. What is stood in for, each because it ne
 - `has_overflow` of both optimizers and stage 1-2's `_has_inf_or_nan` (ZeRO-Offload's per-gradient check) answer
   False (a value read back from the device; bf16 has no loss scaler, fp16's dynamic scaler is taken to find no
   overflow, as on all but a few first steps);
-- stage 3's `defragment` (stage3.py: a copy of every partition through the host into one flat buffer) makes
-  the flat buffer on the device with the partitions as views of it, without the trip through the host;
+- stage 3's `defragment` (zero/utils.py: every partition copied through the host into one flat buffer) runs in
+  its order (partitions freed, the cache emptied, the flat buffer made, the partitions its views) without the
+  copy through the host;
 - `assert_ints_same_as_other_ranks` (a check that every rank traces the same modules) is skipped: one rank;
 - stage 3's `LinearFunctionForZeroStage3` asks autocast of the accelerator's device type: it asks CUDA's, which
-  the simulator's kernel rules emulate.
+  the simulator's kernel rules emulate;
+- a config's Adam / AdamW (DeepSpeed's FusedAdam, or DeepSpeedCPUAdam when the optimizer is offloaded: compiled
+  ops) is torch's fused AdamW: the same two fp32 moments per element, updated in place;
+- ZeRO-Offload's host tensors are meta tensors the tracker does not count (`HostOnMeta`), their bytes the host
+  memory the process needs.
 
 The model arrives on the GPU where DeepSpeed moves it (`DeepSpeedEngine._configure_distributed_model`:
 `module.to(device)` for stages 1-2; stage 3's partitions are made on the GPU by `zero.Init` at build).
@@ -113,11 +118,21 @@ def meta_deepspeed(tracker, offload: bool = False):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     def defragment(tensors):
-        buffer = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
-        offset = 0
-        for tensor in tensors:
-            tensor.data = buffer.narrow(0, offset, tensor.numel()).view_as(tensor)
-            offset += tensor.numel()
+        """zero/utils.py's `defragment` in its order (the partitions freed, the cache emptied, one flat buffer made
+        and the partitions its views), without the copy through the host that keeps their values."""
+        import gc
+
+        from deepspeed.runtime.zero.utils import get_mapping_to_flat_buffer
+
+        infos = get_mapping_to_flat_buffer(tensors)
+        total, dtype, device = sum(t.numel() for t in tensors), tensors[0].dtype, tensors[0].device
+        for tensor, _, _ in infos:
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        gc.collect()
+        real_accelerator.ds_accelerator.empty_cache()
+        buffer = torch.empty(total, dtype=dtype, device=device)
+        for tensor, offset, numel in infos:
+            tensor.data = buffer.narrow(0, offset, numel)
         return buffer
 
     class CudaAutocast:
@@ -142,6 +157,17 @@ def meta_deepspeed(tracker, offload: bool = False):
         if not tensor.is_meta:
             record_stream(tensor, stream)
 
+    optimizer_configuration = DeepSpeedEngine.get_optimizer_configuration
+
+    def torch_adam(self, parameters, adam_w_mode, allow_legacy_fallback=False):
+        """A config's Adam / AdamW as torch's fused one: DeepSpeed's FusedAdam (CUDA) and DeepSpeedCPUAdam (the
+        offloaded step) are compiled ops; each keeps two fp32 moments per element of the fp32 partitions and
+        updates in place, as torch's fused AdamW does."""
+        if parameters.get("torch_adam"):
+            return optimizer_configuration(self, parameters, adam_w_mode, allow_legacy_fallback)
+        parameters.pop("fp32_optimizer_states", None)
+        return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam), {"fused": True}
+
     never = lambda self, *args, **kwargs: False  # noqa: E731
     skip = lambda *args, **kwargs: None  # noqa: E731
     patches = [(real_accelerator, "ds_accelerator", meta_accelerator(tracker)),
@@ -155,7 +181,11 @@ def meta_deepspeed(tracker, offload: bool = False):
                (zero_linear, "_get_autocast_dtype", lambda device_type: torch.get_autocast_dtype("cuda")),
                (zero_linear, "_is_autocast_enabled", lambda device_type: torch.is_autocast_enabled("cuda")),
                (DeepSpeedEngine, "_configure_distributed_model", configure_distributed_model),
-               (torch.Tensor, "record_stream", recorded)]
+               (DeepSpeedEngine, "get_optimizer_configuration", torch_adam),
+               (torch.Tensor, "record_stream", recorded),
+               # zero.Init replaces F.linear for the rest of the process (memory_efficient_linear): put back on exit,
+               # so that a later simulation in this process runs torch's
+               (torch.nn.functional, "linear", torch.nn.functional.linear)]
     placement = HostOnMeta() if offload else None
     patches.append((tracker, "host_placement", placement))
     with attributes_set(patches), world_state_restored(), quiet():
@@ -188,7 +218,7 @@ def retag_states(optimizer, tracker) -> None:
     gradients."""
     import torch
 
-    roles = {"parameters": ("bit16_groups_flat", "fp16_partitioned_groups_flat"),
+    roles = {"parameters": ("bit16_groups_flat", "fp16_partitioned_groups_flat", "lp_param_buffer"),
              "optimizer_state": ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"),
              "gradients": ("ipg_buffer", "averaged_gradients", "grad_partitions_flat_buffer",
                            "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer")}
@@ -205,10 +235,12 @@ def retag_states(optimizer, tracker) -> None:
 
 @contextlib.contextmanager
 def world_state_restored():
-    """DeepSpeed's process groups and communication backend, kept in its modules' globals, put back on exit: a
-    later world (another fake process group) must not find the groups of this one."""
+    """DeepSpeed's process groups and communication backend, kept in its modules' globals, put back on exit, and
+    transformers' reference to the run's DeepSpeed config dropped: a later world (another fake process group)
+    must not find the groups of this one, nor a later model be built under this run's `zero.Init`."""
     import deepspeed.comm.comm as comm
     import deepspeed.utils.groups as groups
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     saved = [(module, {name: value for name, value in vars(module).items() if name in ("cdb", "mpu", "mesh_device")
                        or (name.startswith("_") and name.isupper() and not callable(value))})
@@ -217,6 +249,7 @@ def world_state_restored():
     try:
         yield
     finally:
+        unset_hf_deepspeed_config()
         for module, values in saved:
             for name, value in values.items():
                 setattr(module, name, value)
@@ -224,50 +257,6 @@ def world_state_restored():
 
 def copy_of(value):
     return dict(value) if isinstance(value, dict) else value
-
-
-@contextlib.contextmanager
-def world_state_restored():
-    """DeepSpeed's process groups and communication backend, kept in its modules' globals, put back on exit: a
-    later world (another fake process group) must not find the groups of this one."""
-    import deepspeed.comm.comm as comm
-    import deepspeed.utils.groups as groups
-
-    saved = [(module, {name: value for name, value in vars(module).items() if name in ("cdb", "mpu", "mesh_device")
-                       or (name.startswith("_") and name.isupper() and not callable(value))})
-             for module in (comm, groups)]
-    saved = [(module, {name: copy_of(value) for name, value in values.items()}) for module, values in saved]
-    try:
-        yield
-    finally:
-        for module, values in saved:
-            for name, value in values.items():
-                setattr(module, name, value)
-
-
-def copy_of(value):
-    return dict(value) if isinstance(value, dict) else value
-
-
-@contextlib.contextmanager
-def zero3_build(run, tracker):
-    """A ZeRO-3 run's model built as a script builds it after its training arguments: transformers' `from_config` /
-    `from_pretrained` under `deepspeed.zero.Init` (the arguments' `HfDeepSpeedConfig` is in force while they
-    live), each parameter's partition made on the GPU and counted as parameters."""
-    import json
-    import tempfile
-
-    from transformers import TrainingArguments
-
-    from pipeline.training.step import mixed_precision_args
-
-    with tempfile.TemporaryDirectory(prefix="avp-zero3-") as output_dir:
-        args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=run.batch,
-                                 gradient_accumulation_steps=run.gradient_accumulation, report_to="none",
-                                 deepspeed=json.loads(run.deepspeed), **mixed_precision_args(run.precision))
-        with tracker.placed(host=False), tracker.scope("parameters"):
-            yield
-        del args
 
 
 @contextlib.contextmanager
@@ -299,20 +288,29 @@ class HostOnMeta:
 
         asked = kwargs.get("device")
         if asked is not None:
-            if torch.device(asked).type != "cpu":
-                return args, kwargs, False
+            if torch.device(asked).type != "cpu" or not called_by_deepspeed():
+                return args, kwargs, False  # the data's host tensors (the collator's) stay real
             return args, {**kwargs, "device": torch.device("meta")}, True
         # a 0-dim tensor beside host tensors (a step count, a learning rate) does not put the op on the GPU
         tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.is_meta and t.dim() > 0]
         return args, kwargs, bool(tensors) and all(self.is_host(t) for t in tensors)
 
     def made(self, out) -> None:
+        """`out` of an op placed on the host: its storages are host storages."""
         import torch
         from torch.utils._pytree import tree_flatten
 
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.is_meta:
                 self.add(tensor)
+
+    def take(self, tensors, tracker) -> None:
+        """`tensors`, made on the GPU here, to the host, where DeepSpeed made them: stage 1-2's bf16 copies of the
+        offloaded fp32 partitions (`param_buffer_of_bit16_for_cpu_offload_groups`, stage_1_and_2.py, made with
+        `device=weights_partition.device`: the host's there, the simulated GPU's on meta)."""
+        for tensor in tensors:
+            tracker._freed(id(tensor.untyped_storage()), None)
+            self.add(tensor)
 
     def is_host(self, tensor) -> bool:
         return id(tensor.untyped_storage()) in self.host
@@ -331,3 +329,15 @@ class HostOnMeta:
 
     def remove(self, key) -> None:
         self.live -= self.host.pop(key, 0)
+
+
+def called_by_deepspeed() -> bool:
+    """Whether DeepSpeed's code asked for the op being dispatched (a frame of its modules is on the stack)."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("deepspeed."):
+            return True
+        frame = frame.f_back
+    return False

@@ -106,7 +106,7 @@ class LiveBytesTracker(TorchDispatchMode):
         if entry is not None:
             self._resized(entry, nbytes)
             return
-        if self.on_host:
+        if self.on_host or (self.host_placement is not None and self.host_placement.is_host(tensor)):
             return
         address, size = self._malloc(nbytes)
         category = category or self.category
