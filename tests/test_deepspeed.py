@@ -152,3 +152,21 @@ def test_the_server_takes_a_deepspeed_object_and_reads_no_path():
     with pytest.raises(UserError, match="deepspeed_config_file names a file"):
         check({"batch": 2, "seq": 512, "accelerate_config": {"distributed_type": "DEEPSPEED", "deepspeed_config": {
             "deepspeed_config_file": str(ZERO3)}}})
+
+
+def test_zero_offload_answers_the_host_memory_beside_the_gpu():
+    """ZeRO-3 with the optimizer on the host: the GPU's peak drops, the host's bytes are in the answer (a tiny model:
+    its fp32 partition, gradient and two AdamW moments on the host, 4 bytes each per element of rank 0's half)."""
+    from pipeline.estimate import estimate
+
+    config = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1024,
+              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
+    on_gpu = {"zero_optimization": {"stage": 3}}
+    offloaded = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                 "zero_force_ds_cpu_optimizer": False}
+    gpu = estimate(config=config, client="trainer", num_gpus=2, batch=2, seq=256, deepspeed=on_gpu)
+    host = estimate(config=config, client="trainer", num_gpus=2, batch=2, seq=256, deepspeed=offloaded)
+    assert gpu["method"] == host["method"] == "exact" and "host_peak_bytes" not in gpu
+    assert host["peak_bytes"] < gpu["peak_bytes"] - 3 * 4 * 21_000_000
+    assert 4 * 4 * 21_000_000 < host["host_peak_bytes"] < 6 * 4 * 22_000_000

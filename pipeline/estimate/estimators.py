@@ -201,7 +201,8 @@ class ExactEstimator(Estimator):
         from pipeline.estimate.memo import simulated as simulate
 
         simulated = simulate(target.config, run)
-        simulator = ("distributed_peak (DDP / FSDP2 with a fake process group of num_gpus ranks)"
+        simulator = ("distributed_peak (DeepSpeed's ZeRO with a fake process group of num_gpus ranks)"
+                     if run.deepspeed else "distributed_peak (DDP / FSDP2 with a fake process group of num_gpus ranks)"
                      if run.sharding else "trainer_peak (transformers.Trainer run on the meta device)"
                      if run.client == "trainer" else "sft_peak (TRL's SFTTrainer run on the meta device)"
                      if run.client == "sft" else "dpo_peak (TRL's DPOTrainer and its reference model run on the "
@@ -210,7 +211,11 @@ class ExactEstimator(Estimator):
             "activations_per_token": None, "activations_per_token_unit": None,
             "peak_phase": simulated.details.get("peak_phase"),
             "notes": [f"simulated by pipeline.simulate.{simulator} (reserved: the caching allocator's "
-                      "segments replayed)"]}, simulated.reserved_bytes, simulated.reserved_expandable_bytes)
+                      "segments replayed)"],
+            # ZeRO-Offload: the host memory per process (not in the GPU's verdict)
+            **({"host_peak_bytes": simulated.details["host_peak_bytes"]}
+               if "host_peak_bytes" in simulated.details else {})}, simulated.reserved_bytes,
+            simulated.reserved_expandable_bytes)
 
 
 class FormulaEstimator(FittedEstimator):
