@@ -80,8 +80,8 @@ COLUMNS = {
     "sharding": ("", "how the data-parallel GPUs hold the model: ddp, fsdp (FSDP2, resharding after the forward), "
                      "fsdp-no-reshard, hsdp (FSDP2 over a shard group, replicated across groups), zero1, zero2, zero3 "
                      "(DeepSpeed's ZeRO stage as the Trainer runs it); empty: one GPU or tensor parallelism alone"),
-    "deepspeed": ("", "zero1-3: the DeepSpeed config the Trainer ran, as JSON (its \"auto\" values filled by the "
-                      "Trainer; empty without DeepSpeed)"),
+    "deepspeed": ("", "zero1-3: the DeepSpeed config given to the Trainer, as JSON (the Trainer fills its \"auto\" "
+                      "values when it runs; empty without DeepSpeed)"),
     "deepspeed_version": ("", "version of DeepSpeed that ran the point (empty without DeepSpeed)"),
     "host_before_bytes": ("bytes", "the process's resident host memory before training (several GPUs)"),
     "host_peak_bytes": ("bytes", "the process's peak resident host memory (getrusage maxrss; with host_before_bytes "
