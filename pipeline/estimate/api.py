@@ -9,6 +9,7 @@ from pipeline.estimate.search import largest_batch, largest_seq
 from pipeline.core.errors import UserError
 from pipeline.estimate.targets import resolve_target
 from pipeline.estimate.training_args import read_training_args
+from pipeline.training.hyperparameters import Hyperparameters
 from pipeline.training.values import GIB, Run, Target
 from pipeline.estimate.verdict import judge, limited, required_device, gpu_of
 from pipeline.core.vocabulary import METHODS, TRL_CLIENTS, check_choice, precision_mode
@@ -100,7 +101,7 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
               1 if tensor_parallel is None else tensor_parallel, given["adapter"],
               liger_kernel=False if given["liger_kernel"] is None else given["liger_kernel"],
               completion_share=1.0 if completion_share is None else completion_share,
-              deepspeed=from_file.get("deepspeed"))
+              deepspeed=from_file.get("deepspeed"), hyperparameters=from_file.get("hyperparameters") or Hyperparameters())
     return run, [*notes, *(given["adapter"].notes if given["adapter"] is not None else ())]
 
 

@@ -50,6 +50,7 @@ def read_sft_config(source) -> dict:
     autocast (bf16 | fp16), checkpointing, optim, liger_kernel, adapter (LoRA / QLoRA or None), weights
     (bf16 | fp32 | None: the model's own, dtype auto), model, and notes."""
     from pipeline.training.adapters import AdapterSpec
+    from pipeline.training.hyperparameters import Hyperparameters
 
     args, label = _load(source)
     for key in FLAGS:
@@ -91,7 +92,8 @@ def read_sft_config(source) -> dict:
                 "autocast": "bf16" if bf16 else "fp16" if fp16 else None,
                 "checkpointing": args.get("gradient_checkpointing", True),
                 "optim": optim_name(args.get("optim")), "liger_kernel": bool(args.get("use_liger_kernel", False)),
-                "adapter": adapter, "weights": weights, "model": model, "notes": notes}
+                "adapter": adapter, "weights": weights, "model": model, "notes": notes,
+                "hyperparameters": Hyperparameters.of(args, label)}
     with_fsdp(settings, args, label)
     return settings
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pipeline.core.errors import UserError
 from pipeline.core.io import read_json_object
 from pipeline.core.text import short
+from pipeline.training.hyperparameters import Hyperparameters
 
 # Arguments that change memory in ways no estimator models: named in the answer's notes.
 UNMODELLED = {
@@ -22,7 +23,8 @@ UNMODELLED = {
 def read_training_args(source) -> dict:
     """The run settings a TrainingArguments JSON file (path) or dict gives: client, batch,
     gradient_accumulation, autocast ("bf16" for bf16, "fp16" for fp16, else None: the weights' dtype
-    alone), checkpointing, optim, liger_kernel, and notes on what is not modelled."""
+    alone), checkpointing, optim, liger_kernel, hyperparameters (the optimizer's and the schedule's numbers:
+    a DeepSpeed config's "auto" values come from them), and notes on what is not modelled."""
     args = _load(source)
     label = source_label(source)
     for key in ("bf16", "fp16", "gradient_checkpointing", "use_liger_kernel"):
@@ -33,7 +35,8 @@ def read_training_args(source) -> dict:
                 "gradient_accumulation": positive_int_option(args, "gradient_accumulation_steps", source),
                 "autocast": "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else None,
                 "checkpointing": bool(args.get("gradient_checkpointing", False)),
-                "optim": optim_name(args.get("optim")), "liger_kernel": bool(args.get("use_liger_kernel", False))}
+                "optim": optim_name(args.get("optim")), "liger_kernel": bool(args.get("use_liger_kernel", False)),
+                "hyperparameters": Hyperparameters.of(args, label)}
     settings["notes"] = [f"training args: {what} is not modelled" for key, what in UNMODELLED.items()
                          if args.get(key) not in (None, False, "", [], {})]
     with_fsdp(settings, args, label)

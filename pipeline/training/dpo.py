@@ -64,7 +64,8 @@ def dpo_arguments(setting: Setting, precision: str, batch: int, seq: int, output
                         gradient_accumulation_steps=setting.gradient_accumulation,
                         gradient_checkpointing=setting.gradient_checkpointing, optim=setting.optim,
                         use_liger_kernel=setting.liger_kernel, save_strategy="no", disable_tqdm=True,
-                        report_to="none", **mixed_precision_args(precision), **extra)
+                        report_to="none", **mixed_precision_args(precision),
+                        **setting.hyperparameters.arguments(), **extra)
 
 
 def dataset_pairs(setting: Setting, batch: int) -> int:

@@ -86,7 +86,7 @@ def sft_arguments(setting: Setting, precision: str, batch: int, seq: int, output
                         use_liger_kernel=setting.liger_kernel,
                         completion_only_loss=True if setting.completion_share < 1 else None,
                         save_strategy="no", disable_tqdm=True, report_to="none", **mixed_precision_args(precision),
-                        **extra)
+                        **setting.hyperparameters.arguments(), **extra)
 
 
 def dataset_rows(setting: Setting, batch: int) -> int:

@@ -25,6 +25,7 @@ import contextlib
 from dataclasses import dataclass
 
 from pipeline.training.adapters import AdapterSpec
+from pipeline.training.hyperparameters import Hyperparameters
 from pipeline.core.errors import UserError
 from pipeline.inputs.modeling import vocabulary_size
 from pipeline.core.vocabulary import (CLIENTS, OPTIM_OF_LOOP_OPTIMIZER, OPTIMIZERS, OPTIMS, SHARDINGS, TRAINER_CLIENTS,
@@ -62,6 +63,8 @@ class Setting:
     completion_share: float = 1.0
     sharding: str | None = None  # several GPUs (vocabulary.SHARDINGS); None: one GPU
     deepspeed: str | None = None  # zero1-3: the DeepSpeed config's JSON text (`training.zero`)
+    # the Trainer clients' optimizer and schedule numbers of a training file (`training.hyperparameters`)
+    hyperparameters: Hyperparameters = Hyperparameters()
 
     def __post_init__(self):
         if self.client == "loop":
@@ -85,7 +88,7 @@ class Setting:
                    client, row.get("optim") if client != "loop" else None, row.get("gradient_accumulation") or 1,
                    AdapterSpec.from_row(row), bool(row.get("liger_kernel") or False),
                    1.0 if share is None or share != share else float(share), row.get("sharding") or None,
-                   row.get("deepspeed") or None)
+                   row.get("deepspeed") or None, Hyperparameters.from_text(row.get("hyperparameters")))
 
     def check(self) -> None:
         check_choice("client", self.client, CLIENTS)
@@ -122,6 +125,11 @@ class Setting:
             check_choice("sharding", self.sharding, SHARDINGS)
         if (self.sharding in ZERO_SHARDINGS) != (self.deepspeed is not None):
             raise UserError("a DeepSpeed config goes with sharding zero1, zero2 or zero3, and they with one")
+        if not isinstance(self.hyperparameters, Hyperparameters):
+            raise UserError(f"hyperparameters must be a Hyperparameters, not {type(self.hyperparameters).__name__}")
+        if self.hyperparameters != Hyperparameters() and self.client not in TRAINER_CLIENTS:
+            raise UserError(f"a training file's optimizer and schedule numbers are the Trainer clients' "
+                            f"({', '.join(TRAINER_CLIENTS)}), not the {self.client} client's")
         if self.completion_share != 1.0 and self.client not in TRL_CLIENTS:
             raise UserError(f"completion_share is TRL's trainers' ({', '.join(TRL_CLIENTS)}), not the {self.client} "
                             "client's")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from pipeline.core.io import cell
 from pipeline.training.adapters import AdapterSpec
+from pipeline.training.hyperparameters import Hyperparameters
 from pipeline.core.errors import UserError
 from pipeline.formulas.components import optimizer_key
 from pipeline.training.layout import Layout
@@ -53,6 +54,9 @@ class Run:
     fresh_process: bool = True
     # sharding zero1-3: the DeepSpeed config's JSON text (`training.zero`); None: the stage with "auto" elsewhere
     deepspeed: str | None = None
+    # a training file's optimizer and schedule numbers (trainer, sft, dpo): DeepSpeed's "auto" values come from
+    # them, and whether its scheduler starts
+    hyperparameters: Hyperparameters = Hyperparameters()
 
     def __post_init__(self):
         object.__setattr__(self, "batch", check_positive_int("batch", self.batch, MAX_BATCH))
@@ -114,7 +118,7 @@ class Run:
         """The run's `pipeline.training.step.Setting` (what the GPU measurement of it runs)."""
         return Setting(self.variant, self.optimizer, self.checkpointing, self.client, self.optim,
                        self.gradient_accumulation, self.adapter, self.liger_kernel, self.completion_share,
-                       None if self.client == "loop" else self.sharding, self.deepspeed)
+                       None if self.client == "loop" else self.sharding, self.deepspeed, self.hyperparameters)
 
     @property
     def optimizer_key(self) -> str:
@@ -141,7 +145,8 @@ class Run:
                    fresh_process=bool(cell(row, "first_in_process") or False),
                    num_gpus=int(cell(row, "num_gpus") or 1), sharding=cell(row, "sharding") or None,
                    shard_group=None if cell(row, "shard_group") is None else int(cell(row, "shard_group")),
-                   tensor_parallel=int(cell(row, "tensor_parallel") or 1), deepspeed=cell(row, "deepspeed") or None)
+                   tensor_parallel=int(cell(row, "tensor_parallel") or 1), deepspeed=cell(row, "deepspeed") or None,
+                   hyperparameters=Hyperparameters.from_text(cell(row, "hyperparameters")))
 
     def with_batch(self, batch: int) -> Run:
         return replace(self, batch=batch)

@@ -62,10 +62,13 @@ class PhaseTracker:
     def start(self, name: str) -> None:
         import torch
 
+        from pipeline.training import memory_history
+
         if self.current is not None:
             self.stop()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
+            memory_history.mark(name)
         self.current = name
 
     def stop(self) -> None:

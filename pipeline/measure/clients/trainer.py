@@ -80,7 +80,9 @@ class StepTimes(TrainerCallback):
         allocator's segments (the memory outside PyTorch is the difference; the segments by stream)."""
         if self.sharded and self.cuda:
             from pipeline.measure.nvml import nvml_columns
+            from pipeline.training import memory_history
 
+            memory_history.mark("train_end")
             self.tracker.extra.update(nvml_train_end_bytes=nvml_columns("cuda")["nvml_used_bytes"],
                                       reserved_train_end_bytes=torch.cuda.memory_reserved(),
                                       reserved_by_stream=reserved_by_stream())
@@ -100,7 +102,7 @@ class StepTimes(TrainerCallback):
 def training_arguments(setting: Setting, precision: str, batch: int, device: str, output_dir: str, model=None):
     """The point's TrainingArguments (`model`: the one trained, whose decoder layers FSDP2 wraps)."""
     extra = {"use_cpu": True} if device == "cpu" else {}
-    extra.update(sharding_arguments(setting, model))
+    extra.update(sharding_arguments(setting, model), **setting.hyperparameters.arguments())
     return TrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch, max_steps=STEPS,
                              gradient_accumulation_steps=setting.gradient_accumulation,
                              **mixed_precision_args(precision),

@@ -46,6 +46,8 @@ def rank_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard-group", type=int, help="hsdp: GPUs a model is sharded over")
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--deepspeed", help="zero1-3: the DeepSpeed config's JSON text (training.zero)")
+    parser.add_argument("--hyperparameters", help="TrainingArguments' optimizer and schedule numbers, JSON")
+    parser.add_argument("--memory-history", help="rank 0 records the allocator's events to this file (.npz)")
     parser.add_argument("--adapter", choices=("full", "lora"), default="full")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--batch", type=int, required=True)

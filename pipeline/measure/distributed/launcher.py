@@ -33,7 +33,8 @@ def point_key(row: dict) -> tuple:
     group = row.get("shard_group")
     return (row["model_id"], row["client"], row["precision"], int(row["num_gpus"]), row["sharding"],
             None if group is None else int(group), int(row.get("tensor_parallel") or 1), adapter,
-            bool(row["gradient_checkpointing"]), row.get("deepspeed") or None, int(row["batch_size"]), int(row["seq_len"]))
+            bool(row["gradient_checkpointing"]), row.get("deepspeed") or None, row.get("hyperparameters") or None,
+            row.get("alloc_conf") or None, int(row["batch_size"]), int(row["seq_len"]))
 
 
 def run_plan(plan_path, out_path, dry_run: bool = False, config_path: str | None = None,
@@ -136,6 +137,8 @@ class Scheduler:
         folder = Path(tempfile.mkdtemp(prefix="avp-point-"))
         env = dict(os.environ, **MULTICAST_OFF, CUDA_VISIBLE_DEVICES=",".join(map(str, slot)),
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))
+        if group.alloc_conf:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = group.alloc_conf
         log = open(folder / "log", "w")  # noqa: SIM115 - closed when the point is reaped
         process = subprocess.Popen(torchrun_command(group, batch, seq, self.plan, folder, self.config_path),
                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -161,11 +164,25 @@ class Scheduler:
                 tail = log_text.strip().splitlines()[-3:]
                 reason = ("timed out after " f"{group.timeout} s" if timed_out else f"torchrun exit {process.returncode}")
                 rows = self.missing_ranks(group, point, rows, f"{reason}: {' | '.join(tail)[-400:]}")
+            self.keep_history(folder, rows)
             shutil.rmtree(folder, ignore_errors=True)  # what it held is in the rows now
             if any(r["status"] == "oom" for r in rows):
                 self.oom_at[key].append(point)
                 self.device_of[key] = {k: rows[0].get(k) for k in ("device", "driver_version", "gpu_total_bytes")}
             self.append(rows)
+
+    def keep_history(self, folder: Path, rows: list) -> None:
+        """Rank 0's allocator history of the point (`memory_history: true`) to `<out>.history/`, named by the
+        point's row (`history_name`), which names the file in its `memory_history` column."""
+        recorded = folder / "history.npz"
+        if not recorded.exists():
+            return
+        name = history_name(rows[0]) if rows else folder.name
+        target = self.rows_path.with_suffix(".history") / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(recorded), target)
+        for row in rows:
+            row["memory_history"] = f"{target.parent.name}/{name}"
 
     def retry_after_port_race(self, key: tuple, point: tuple, log_text: str) -> bool:
         """Queue the point again (at most twice) when its torchrun lost the race for a free port to a group beside
@@ -210,7 +227,7 @@ class Scheduler:
                 "client": group.client, "precision": group.precision,
                 "num_gpus": group.num_gpus, "sharding": group.sharding, "shard_group": group.shard_group,
                 "tensor_parallel": group.tensor_parallel, "gradient_checkpointing": group.checkpointing,
-                "deepspeed": group.deepspeed,
+                "deepspeed": group.deepspeed, "hyperparameters": group.hyperparameters, "alloc_conf": group.alloc_conf,
                 "lora_r": 16 if group.adapter == "lora" else None, "lora_alpha": 32 if group.adapter == "lora" else None,
                 "lora_targets": "all-linear" if group.adapter == "lora" else None, "batch_size": point[0],
                 "seq_len": point[1], "split": group.split, "variant": "standard", "attn_implementation": "default"}
@@ -222,6 +239,15 @@ class Scheduler:
                 self.done.add(point_key(row))
 
 
+def history_name(row: dict) -> str:
+    """A point's allocator history file: its model, client, layout and (B, L), and a digest of the rest of its key."""
+    import hashlib
+
+    digest = hashlib.sha1(json.dumps(point_key(row), default=str).encode()).hexdigest()[:8]
+    model = row["model_id"].split("/")[-1]
+    return f"{model}-{row['client']}-{row.get('sharding') or 'tp'}-{row['num_gpus']}-B{row['batch_size']}-L{row['seq_len']}-{digest}.npz"
+
+
 def port_race(log_text: str) -> bool:
     """Whether torchrun's store failed to bind the port it had picked (another process took it meanwhile)."""
     return "EADDRINUSE" in log_text and "TCPStore" in log_text
@@ -231,6 +257,8 @@ def torchrun_command(group: Group, batch: int, seq: int, plan: dict, folder, con
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={group.num_gpus}",
                "-m", "pipeline.measure.distributed", "rank",
                *group.rank_arguments(batch, seq), "--configs", str(plan.get("configs", CONFIGS)), "--out", str(folder)]
+    if group.memory_history:
+        command += ["--memory-history", str(Path(folder) / "history.npz")]
     return command + (["--config", config_path] if config_path else [])
 
 

@@ -10,6 +10,9 @@ measure, read from YAML and laid out as groups of points that run smallest first
     shard_groups: [2]                     # hsdp's S
     tensor_parallel: [1, 2]               # T (the loop)
     adapters: [full, lora]                # lora: LoRA r=16, alpha 32, all linear layers
+    hyperparameters: {warmup_steps: 10}   # TrainingArguments' optimizer and schedule numbers (Trainer clients)
+    alloc_conf: "expandable_segments:True"   # PYTORCH_CUDA_ALLOC_CONF of the torchrun
+    memory_history: true                  # rank 0 records the allocator's events (<out>.history/, one file a point)
     checkpointing: [true]
     grid: {batch_sizes: [1, 4], seq_lens: [512, 2048]}   # or points: [[1, 512], [4, 2048]]
     split: tuned                          # or held-out: kept out of everything tuned
@@ -32,7 +35,8 @@ from pipeline.core.vocabulary import CLIENTS, PRECISIONS, SHARDINGS, SPLITS, ZER
 from pipeline.training.layout import Layout
 
 DEFAULT_KEYS = {"models", "clients", "precisions", "num_gpus", "shardings", "shard_groups", "tensor_parallel",
-                "adapters", "checkpointing", "grid", "points", "split", "timeout_seconds", "configs", "deepspeed"}
+                "adapters", "checkpointing", "grid", "points", "split", "timeout_seconds", "configs", "deepspeed",
+                "hyperparameters", "alloc_conf", "memory_history"}
 PLAN_KEYS = DEFAULT_KEYS | {"groups"}
 ADAPTERS = ("full", "lora")
 # The precision a client runs on a model loaded in bf16 (the Trainer clients with bf16=True: bf16-autocast).
@@ -57,11 +61,15 @@ class Group:
     shard_group: int | None = None
     tensor_parallel: int = 1
     deepspeed: str | None = None  # zero1-3: the DeepSpeed config's JSON text
+    hyperparameters: str | None = None  # `training.hyperparameters.Hyperparameters.to_text()`
+    alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
+    memory_history: bool = False
 
     @property
     def key(self) -> tuple:
         return (self.model_id, self.client, self.precision, self.num_gpus, self.sharding, self.shard_group,
-                self.tensor_parallel, self.adapter, self.checkpointing, self.deepspeed)
+                self.tensor_parallel, self.adapter, self.checkpointing, self.deepspeed, self.hyperparameters,
+                self.alloc_conf)
 
     def rank_arguments(self, batch: int, seq: int) -> list[str]:
         """The arguments of `python -m pipeline.measure.distributed rank` for one point of the group."""
@@ -71,6 +79,7 @@ class Group:
                 + (["--sharding", self.sharding] if self.sharding else [])
                 + (["--shard-group", str(self.shard_group)] if self.shard_group else [])
                 + (["--deepspeed", self.deepspeed] if self.deepspeed else [])
+                + (["--hyperparameters", self.hyperparameters] if self.hyperparameters else [])
                 + (["--checkpointing"] if self.checkpointing else []))
 
 
@@ -110,6 +119,9 @@ def check_block(block: dict, path) -> None:
                             "tensor_parallel")
     for adapter in block.get("adapters", ["full"]):
         check_choice("adapter", adapter, ADAPTERS)
+    hyperparameters_of(block, path)
+    if not isinstance(block.get("alloc_conf", ""), str) or not isinstance(block.get("memory_history", False), bool):
+        raise UserError(f"{path}: alloc_conf is PYTORCH_CUDA_ALLOC_CONF's text, memory_history true or false")
     check_choice("split", block.get("split", "tuned"), SPLITS)
 
 
@@ -129,14 +141,26 @@ def block_groups(block: dict, gpus: int | None) -> list[Group]:
     else:
         points = [(b, l) for b in block["grid"]["batch_sizes"] for l in block["grid"]["seq_lens"]]
     points = tuple(sorted(points, key=lambda p: (p[0] * p[1], p[0])))
+    hyperparameters = hyperparameters_of(block, "plan")
     return [Group(model, client, precision, n, sharding, adapter, bool(checkpointing), points,
-                  block.get("split", "tuned"), int(block.get("timeout_seconds", DEFAULT_TIMEOUT)), group, tp, deepspeed)
+                  block.get("split", "tuned"), int(block.get("timeout_seconds", DEFAULT_TIMEOUT)), group, tp, deepspeed,
+                  hyperparameters, block.get("alloc_conf"), bool(block.get("memory_history", False)))
             for n in sorted(block.get("num_gpus", [2])) if gpus is None or n <= gpus
             for model in block["models"] for client in block.get("clients", ["loop"])
             for precision in block.get("precisions") or [DEFAULT_PRECISION[client]]
             for sharding, group, tp, deepspeed in block_layouts(block, n)
             for adapter in block.get("adapters", ["full"])
             for checkpointing in block.get("checkpointing", [client in ("sft", "dpo")])]
+
+
+def hyperparameters_of(block: dict, path) -> str | None:
+    """The block's TrainingArguments numbers as the rank takes them (`Hyperparameters.to_text()`)."""
+    from pipeline.training.hyperparameters import Hyperparameters
+
+    given = block.get("hyperparameters") or {}
+    if not isinstance(given, dict):
+        raise UserError(f"{path}: hyperparameters is a mapping of TrainingArguments keys")
+    return Hyperparameters.of(given, str(path)).to_text()
 
 
 def block_layouts(block: dict, num_gpus: int) -> list[tuple]:

@@ -26,6 +26,7 @@ from pathlib import Path
 from pipeline.measure.point import base_columns, build_point_model, finish_row, measure_point
 
 EXTRA_COLUMNS = ("num_gpus", "sharding", "shard_group", "tensor_parallel", "deepspeed", "deepspeed_version",
+                 "hyperparameters", "alloc_conf", "memory_history",
                  "host_before_bytes", "host_peak_bytes", "rank", "split", "first_in_process", "nvml_context_bytes",
                  "nvml_train_end_bytes", "reserved_train_end_bytes", "reserved_by_stream")
 
@@ -36,7 +37,9 @@ def measure_rank(args) -> dict:
 
     from pipeline.inputs.records import model_record
     from pipeline.measure.device import setup_device
+    from pipeline.training import memory_history
     from pipeline.training.adapters import AdapterSpec
+    from pipeline.training.hyperparameters import Hyperparameters
     from pipeline.training.layout import Layout
     from pipeline.training.step import Setting
 
@@ -45,15 +48,19 @@ def measure_rank(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.set_device(local_rank)
+    history = args.memory_history if rank == 0 and device == "cuda" else None
+    if history:
+        memory_history.start()
     record = model_record(None if args.config else args.model, args.config, args.configs)
     adapter = AdapterSpec.make(16) if args.adapter == "lora" else None
     setting = Setting(client=args.client, gradient_checkpointing=args.checkpointing, adapter=adapter,
-                      sharding=None if args.client == "loop" else args.sharding, deepspeed=args.deepspeed)
+                      sharding=None if args.client == "loop" else args.sharding, deepspeed=args.deepspeed,
+                      hyperparameters=Hyperparameters.from_text(args.hyperparameters))
     row = base_columns(record, args.precision, "default", setting, args.batch, args.seq)
     row.update(setup_device(device, allow_tf32=True))
     layout = Layout(world, args.sharding, args.shard_group, args.tensor_parallel)
     row.update(layout.columns(), deepspeed=args.deepspeed, rank=rank, split=args.split, first_in_process=True,
-               deepspeed_version=deepspeed_version(args.deepspeed))
+               deepspeed_version=deepspeed_version(args.deepspeed), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     if args.client == "loop":
         row.update(loop_point(record, args.precision, layout, args.batch, args.seq, device, local_rank,
                               args.checkpointing))
@@ -64,6 +71,12 @@ def measure_rank(args) -> dict:
         host_before = resident_bytes()
         row.update(measure_point(model, setting, args.precision, args.batch, args.seq, device))
         row.update(host_before_bytes=host_before, host_peak_bytes=peak_resident_bytes())
+    if history:
+        memory_history.save(history, {"status": row.get("status"), "peak_reserved_bytes": row.get("peak_reserved_bytes"),
+                                      "peak_allocated_bytes": row.get("peak_allocated_bytes"),
+                                      "nvml_train_end_bytes": row.get("nvml_train_end_bytes"),
+                                      "reserved_train_end_bytes": row.get("reserved_train_end_bytes"),
+                                      "alloc_conf": row.get("alloc_conf")})
     if isinstance(row.get("reserved_by_stream"), dict):
         row["reserved_by_stream"] = json.dumps(row["reserved_by_stream"])
     extra = {column: row.get(column) for column in EXTRA_COLUMNS}

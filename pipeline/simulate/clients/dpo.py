@@ -53,11 +53,10 @@ def meta_dpo_trainer(model, reference, setting: Setting, precision: str, batch: 
     import tempfile
 
     import datasets
-    import torch
     from trl import DPOConfig, DPOTrainer
 
     from pipeline.inputs.modeling import vocabulary_size
-    from pipeline.simulate.clients.parts import device_arguments, on_simulated_device
+    from pipeline.simulate.clients.parts import device_arguments, on_simulated_device, simulated_on
     from pipeline.training.dpo import dataset_pairs, dpo_arguments, preference_dataset
     from pipeline.training.sft import peft_config, tokenizer
 
@@ -71,7 +70,7 @@ def meta_dpo_trainer(model, reference, setting: Setting, precision: str, batch: 
                                  train_dataset=preference_dataset(vocab, dataset_pairs(setting, batch), seq,
                                                                   setting.completion_share),
                                  peft_config=peft_config(setting))
-    trainer.simulated_device = torch.device(device_type)
+    simulated_on(trainer, device_type, setting)
     return trainer
 
 

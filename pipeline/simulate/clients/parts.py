@@ -75,10 +75,18 @@ def meta_trainer(model, batch_size: int, precision: str, optim: str, gradient_ac
                                  **mixed_precision_args(precision),
                                  gradient_checkpointing=gradient_checkpointing, optim=optim,
                                  use_liger_kernel=liger_kernel, save_strategy="no", disable_tqdm=True,
-                                 report_to="none", **device_arguments(setting, model))
+                                 report_to="none", **device_arguments(setting, model),
+                                 **(setting.hyperparameters.arguments() if setting is not None else {}))
     trainer = MetaTrainer(model=model, args=args)
-    trainer.simulated_device = torch.device(device_type)
+    simulated_on(trainer, device_type, setting)
     return trainer
+
+
+def simulated_on(trainer, device_type: str, setting=None) -> None:
+    """The simulated device of `trainer`, and the steps its schedule is made for (`_prepare_for_training`'s
+    max_steps: the training file's max_steps, else the three simulated)."""
+    trainer.simulated_device = torch.device(device_type)
+    trainer.simulated_total_steps = setting.hyperparameters.total_steps(STEPS) if setting is not None else STEPS
 
 
 def enable_checkpointing(trainer: Trainer, model) -> None:
@@ -118,7 +126,7 @@ def prepare_for_training(trainer: Trainer, rules, precision: str, prepared_befor
     trainer.create_optimizer = create_optimizer
     try:
         with cuda_autocast_preparation(accelerator, rules, precision):
-            model, _ = trainer._prepare_for_training(STEPS, None, None)
+            model, _ = trainer._prepare_for_training(trainer.simulated_total_steps, None, None)
     finally:
         del trainer.create_optimizer
     return model

@@ -91,11 +91,10 @@ def meta_sft_trainer(model, setting: Setting, precision: str, batch: int, seq: i
     import tempfile
 
     import datasets
-    import torch
     from trl import SFTConfig, SFTTrainer
 
     from pipeline.inputs.modeling import vocabulary_size
-    from pipeline.simulate.clients.parts import device_arguments, on_simulated_device
+    from pipeline.simulate.clients.parts import device_arguments, on_simulated_device, simulated_on
     from pipeline.training.sft import dataset_rows, peft_config, random_dataset, sft_arguments, tokenizer
 
     MetaSFTTrainer, MetaSFTConfig = on_simulated_device(SFTTrainer, SFTConfig)
@@ -107,7 +106,7 @@ def meta_sft_trainer(model, setting: Setting, precision: str, batch: int, seq: i
                              train_dataset=random_dataset(vocab, dataset_rows(setting, batch), seq,
                                                           setting.completion_share),
                              peft_config=peft_config(setting))
-    trainer.simulated_device = torch.device(device_type)
+    simulated_on(trainer, device_type, setting)
     return trainer
 
 

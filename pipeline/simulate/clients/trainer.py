@@ -72,7 +72,7 @@ def trainer_peak(config, run: Run) -> Estimate:
     trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process)
     model = run_model(config, run, trace, anew=True)
     result = simulate_trainer(model, run.batch, run.seq, run.precision, run.optim, run.gradient_accumulation,
-                              run.checkpointing, liger_kernel=run.liger_kernel, trace=trace)
+                              run.checkpointing, liger_kernel=run.liger_kernel, trace=trace, setting=run.setting)
     if run.adapter is not None:
         from pipeline.training.adapters import trainable_parameters
 
@@ -99,7 +99,7 @@ def check_installed(optim: str, liger_kernel: bool = False) -> None:
 def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim: str, gradient_accumulation: int,
                      gradient_checkpointing: bool, device_type: str = "meta", steps: int = STEPS,
                      prepared_before: bool = False, reserve_limit: int | None = None,
-                     liger_kernel: bool = False, warm: bool = True, trace=None) -> dict:
+                     liger_kernel: bool = False, warm: bool = True, trace=None, setting=None) -> dict:
     """Run the Trainer's steps on `model` (on `device_type`) under the tracker; `device_type="cpu"`
     with real weights runs the same code for real (the tests compare both). `prepared_before`: the
     model was prepared by an earlier Trainer that left accelerate's mark on it (the GPU client did,
@@ -107,7 +107,7 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
     from pipeline.simulate.clients.parts import meta_trainer
 
     trainer = meta_trainer(model, batch_size, precision, optim, gradient_accumulation, gradient_checkpointing,
-                           device_type, liger_kernel)
+                           device_type, liger_kernel, setting)
     run = TrainerRun(trainer, seq_len, precision, gradient_checkpointing, device_type)
     run.prepared_before = prepared_before
     return simulate_run(run, steps, reserve_limit, warm, trace)
