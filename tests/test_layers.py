@@ -30,7 +30,7 @@ RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 SIMULATE_LAYERS = (
     ("memory",),
     ("kernels", "values"),
-    ("trace", "step", "adapters", "predict"),
+    ("trace", "step", "adapters", "predict", "crashes"),
     ("clients",),
     ("distributed",),
     ("api", "cli", "peaks", "__init__"),

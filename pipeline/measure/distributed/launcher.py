@@ -135,10 +135,14 @@ class Scheduler:
 
     def start(self, group: Group, slot: list[int], batch: int, seq: int) -> None:
         folder = Path(tempfile.mkdtemp(prefix="avp-point-"))
-        env = dict(os.environ, **MULTICAST_OFF, CUDA_VISIBLE_DEVICES=",".join(map(str, slot)),
+        env = dict(os.environ, **MULTICAST_OFF, CUDA_VISIBLE_DEVICES=",".join(visible_devices(slot)),
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))
         if group.alloc_conf:
             env["PYTORCH_CUDA_ALLOC_CONF"] = group.alloc_conf
+        if os.environ.get("DS_ACCELERATOR") == "cpu" and _gpu_count():
+            # the simulation layer's choice (`pipeline.simulate`), made in this process when the command line
+            # imported it: a rank on a GPU lets DeepSpeed find its accelerator
+            env.pop("DS_ACCELERATOR")
         log = open(folder / "log", "w")  # noqa: SIM115 - closed when the point is reaped
         process = subprocess.Popen(torchrun_command(group, batch, seq, self.plan, folder, self.config_path),
                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -237,6 +241,13 @@ class Scheduler:
             for row in sorted(rows, key=lambda r: int(r["rank"])):
                 handle.write(json.dumps(row, default=str) + "\n")
                 self.done.add(point_key(row))
+
+
+def visible_devices(slot: list[int]) -> list[str]:
+    """The CUDA devices of a slot: its indices among this process's visible devices (CUDA_VISIBLE_DEVICES, where
+    set: two launchers on one machine each take a half of it)."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return [visible[i] if i < len(visible) else str(i) for i in slot] if visible else [str(i) for i in slot]
 
 
 def history_name(row: dict) -> str:

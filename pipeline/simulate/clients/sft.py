@@ -46,6 +46,7 @@ def trl_peak(config, run: Run, client: str, unavailable, step_run, make_trainer)
     from pipeline.core.errors import UserError
     from pipeline.simulate.adapters import check_adapter, fresh_base_model, loaded_from_checkpoint
     from pipeline.simulate.clients.trainer import trainer_trace
+    from pipeline.simulate.crashes import refusals_are_crashes
 
     start = time.perf_counter()
     if run.client != client:
@@ -59,9 +60,7 @@ def trl_peak(config, run: Run, client: str, unavailable, step_run, make_trainer)
     config = as_config(config)
     if run.adapter is not None:
         check_adapter(run.adapter, "standard")
-    setting = Setting(client=client, gradient_checkpointing=run.checkpointing, optim=run.optim,
-                      gradient_accumulation=run.gradient_accumulation, adapter=run.adapter,
-                      liger_kernel=run.liger_kernel, completion_share=run.completion_share)
+    setting = run.setting
     trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process)
 
     quantization = run.adapter.quantization if run.adapter else None
@@ -70,13 +69,15 @@ def trl_peak(config, run: Run, client: str, unavailable, step_run, make_trainer)
         return fresh_base_model(config_key(config), run.precision, meta_attention(run.attn_implementation),
                                 quantization)
 
-    if not run.fresh_process:
-        trainer = make_trainer(base(), setting, trace)
-    elif quantization:  # from_pretrained's load of a 4-bit checkpoint, then the trainer
-        skeleton = base()
-        trainer = trace.record(lambda: make_trainer(loaded_from_checkpoint(skeleton, trace.tracker), setting, trace))
-    else:  # a build from the config on the device
-        trainer = trace.record(lambda: make_trainer(base(), setting, trace))
+    with refusals_are_crashes():
+        if not run.fresh_process:
+            trainer = make_trainer(base(), setting, trace)
+        elif quantization:  # from_pretrained's load of a 4-bit checkpoint, then the trainer
+            skeleton = base()
+            trainer = trace.record(lambda: make_trainer(loaded_from_checkpoint(skeleton, trace.tracker), setting,
+                                                        trace))
+        else:  # a build from the config on the device
+            trainer = trace.record(lambda: make_trainer(base(), setting, trace))
     result = simulate_run(step_run(trainer, run.seq, run.precision, run.checkpointing, "meta"), trace=trace)
     if run.adapter is not None:
         from pipeline.training.adapters import trainable_parameters

@@ -105,9 +105,11 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
     model was prepared by an earlier Trainer that left accelerate's mark on it (the GPU client did,
     before commit 57dc319, from the second point of a process on): no autocast wrapper."""
     from pipeline.simulate.clients.parts import meta_trainer
+    from pipeline.simulate.crashes import refusals_are_crashes
 
-    trainer = meta_trainer(model, batch_size, precision, optim, gradient_accumulation, gradient_checkpointing,
-                           device_type, liger_kernel, setting)
+    with refusals_are_crashes():
+        trainer = meta_trainer(model, batch_size, precision, optim, gradient_accumulation, gradient_checkpointing,
+                               device_type, liger_kernel, setting)
     run = TrainerRun(trainer, seq_len, precision, gradient_checkpointing, device_type)
     run.prepared_before = prepared_before
     return simulate_run(run, steps, reserve_limit, warm, trace)
@@ -120,6 +122,7 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
     `warm=False`: the process's first step, cuBLAS's workspaces made at first use) with the Triton
     wrappers' CUDA paths: the peak, its components, phase peaks, the optimizer state's bytes and the
     reserved bytes. `trace`: one made with `trainer_trace` that recorded the model's build."""
+    from pipeline.simulate.crashes import refusals_are_crashes
     from pipeline.simulate.kernels.paths import cuda_paths
 
     device_type, model = run.device_type, run.model
@@ -135,7 +138,8 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
         import_liger()
     try:
         with cuda_paths(rules, trl=run.fused_head, liger=run.liger), trace, fused_on(device_type):
-            run.setup()
+            with refusals_are_crashes():
+                run.setup()
             for _ in range(steps):
                 run.step()
             tracker.phase = None

@@ -67,6 +67,7 @@ def sharded_client_peak(config, run: Run) -> Estimate:
     the single-GPU clients answer: peak allocated and reserved, components (FSDP2's all-gather and
     reduce-scatter buffers, DDP's buckets among them), phase peaks; `trainable_parameters` with adapters."""
     from pipeline.simulate.clients.trainer import check_installed, simulate_run, trainer_trace
+    from pipeline.simulate.crashes import refusals_are_crashes
     from pipeline.simulate.distributed.step import roles
     from pipeline.simulate.distributed.tracker import ShardedTracker, host_copy_stand_ins
     from pipeline.simulate.distributed.world import (accelerate_on_gpus, arrivals, fake_world, meta_fsdp,
@@ -83,10 +84,11 @@ def sharded_client_peak(config, run: Run) -> Estimate:
     tracker.stream = stream_name
     with fake_world(run.layout), meta_fsdp(), accelerate_on_gpus(run.num_gpus), arrivals(tracker), roles(tracker), \
             deepspeed_world(run, tracker) as host:
-        with zero_init(run, trace):
-            model = host_model(config, run)
-        with trace.rules, tracker, tracker.placed(host=True):  # the trainer's __init__ (DDP moves the model)
-            trainer = trainer_of(model, run, trace)
+        with refusals_are_crashes():
+            with zero_init(run, trace):
+                model = host_model(config, run)
+            with trace.rules, tracker, tracker.placed(host=True):  # the trainer's __init__ (DDP moves the model)
+                trainer = trainer_of(model, run, trace)
         step_run = run_class(run.client)(trainer, run.seq, run.precision, run.checkpointing, "meta")
         step_run.world = World(trace)
         result = simulate_run(step_run, trace=trace)
