@@ -149,6 +149,23 @@ def meta_deepspeed(tracker, offload: bool = False):
         with tracker.placed(host=False):
             return configure(self, model)
 
+    configure_zero = DeepSpeedEngine._configure_zero_optimizer
+
+    def configure_zero_optimizer(self, *args, **kwargs):
+        """The ZeRO optimizer made where DeepSpeed makes it, on the GPU inside `deepspeed.initialize` (its flat
+        groups, fp32 partitions and buffers), not on the host of the Trainer's preparation; stage 1-2's shape
+        placeholders (`torch.zeros_like(p, device="meta")`, no bytes on a GPU) are not counted."""
+        with tracker.placed(host=False), attributes_set([(torch, "zeros_like", placeholders_uncounted)]):
+            return configure_zero(self, *args, **kwargs)
+
+    zeros_like = torch.zeros_like
+
+    def placeholders_uncounted(tensor, *args, **kwargs):
+        if kwargs.get("device") == "meta":  # DeepSpeed's literal "meta": a placeholder, not the simulated GPU
+            with tracker.placed(host=True):
+                return zeros_like(tensor, *args, **kwargs)
+        return zeros_like(tensor, *args, **kwargs)
+
     record_stream = torch.Tensor.record_stream
 
     def recorded(tensor, stream):
@@ -181,6 +198,7 @@ def meta_deepspeed(tracker, offload: bool = False):
                (zero_linear, "_get_autocast_dtype", lambda device_type: torch.get_autocast_dtype("cuda")),
                (zero_linear, "_is_autocast_enabled", lambda device_type: torch.is_autocast_enabled("cuda")),
                (DeepSpeedEngine, "_configure_distributed_model", configure_distributed_model),
+               (DeepSpeedEngine, "_configure_zero_optimizer", configure_zero_optimizer),
                (DeepSpeedEngine, "get_optimizer_configuration", torch_adam),
                (torch.Tensor, "record_stream", recorded),
                # zero.Init replaces F.linear for the rest of the process (memory_efficient_linear): put back on exit,

@@ -87,10 +87,12 @@ def host_outputs() -> dict:
 def workspace_rules() -> dict:
     """{aten overload: fn(args, kwargs, out) -> [bytes, ...]}: scratch memory of CUDA kernels."""
     from pipeline.simulate.kernels.bnb import bnb_workspace_rules
+    from pipeline.simulate.kernels.reduce import reduction_workspaces
 
     return {**attention_workspaces(), torch.ops.aten.embedding_dense_backward.default: _embedding_backward_workspace,
             torch.ops.aten.index.Tensor: _bool_index_workspace,
-            torch.ops.aten._softmax_backward_data.default: _softmax_backward_workspace, **bnb_workspace_rules()}
+            torch.ops.aten._softmax_backward_data.default: _softmax_backward_workspace, **bnb_workspace_rules(),
+            **reduction_workspaces()}
 
 
 class CublasWorkspaces:
