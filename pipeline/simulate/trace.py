@@ -102,7 +102,7 @@ class Trace:
             reserve_limit = gpu.total_bytes - outside_bytes(gpu, "bf16")
         meta = device_type == "meta"
         self.rules = KernelRules(device_type, sdpa=cuda_rules)
-        self.reserved = Fanout([CachingAllocator(reserve_limit), ExpandableSegments()])
+        self.reserved = Fanout([CachingAllocator(reserve_limit), ExpandableSegments(reserve_limit)])
         self.observer = observer if observer is not None else (UniformValues() if meta else None)
         replaced = {**scalar_stand_ins(), **scaler_stand_ins()} if meta else {}
         if automatic and meta:
@@ -427,7 +427,7 @@ class Trace:
     def reserved_expandable_bytes(self) -> int:
         """The same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."""
         self._check_done()
-        return self.reserved.allocators[1].reserved
+        return self.reserved.allocators[1].peak
 
     @property
     def verdict(self):

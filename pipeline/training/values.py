@@ -146,7 +146,8 @@ class Run:
                    num_gpus=int(cell(row, "num_gpus") or 1), sharding=cell(row, "sharding") or None,
                    shard_group=None if cell(row, "shard_group") is None else int(cell(row, "shard_group")),
                    tensor_parallel=int(cell(row, "tensor_parallel") or 1), deepspeed=cell(row, "deepspeed") or None,
-                   hyperparameters=Hyperparameters.from_text(cell(row, "hyperparameters")))
+                   hyperparameters=Hyperparameters.from_text(cell(row, "hyperparameters")),
+                   expandable_segments="expandable_segments:true" in str(cell(row, "alloc_conf") or "").lower())
 
     def with_batch(self, batch: int) -> Run:
         return replace(self, batch=batch)

@@ -154,7 +154,7 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
               "phase_peaks": phase_peaks, "optimizer_state_bytes": state,
               "peak_reserved_bytes": reserved.allocators[0].peak,
               "reserve_limit_exceeded": reserved.allocators[0].out_of_memory,
-              "peak_reserved_expandable_bytes": reserved.allocators[1].reserved}
+              "peak_reserved_expandable_bytes": reserved.allocators[1].peak}
     if getattr(shadows, "unknown", None):
         result["values_answered_without_data"] = len(shadows.unknown)
     return result

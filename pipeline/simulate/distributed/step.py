@@ -46,7 +46,7 @@ def simulate_sharded_step(model, run, mesh, device_type: str = "meta", cuda_rule
     setting.check()
     meta = device_type == "meta"
     rules = KernelRules(device_type, sdpa=cuda_rules)
-    reserved = Fanout([CachingAllocator(), ExpandableSegments()])
+    reserved = Fanout([CachingAllocator(run.reserve_limit), ExpandableSegments(run.reserve_limit)])
     observer = UniformValues() if meta else None
     tracker = ShardedTracker(device_type, workspace_rules() if cuda_rules else None,
                              {**scalar_stand_ins(), **host_copy_stand_ins()} if meta else None, observer,
@@ -133,4 +133,4 @@ def summarise(tracker, reserved) -> dict:
     phase_components = {phase: dict(tracker.peaks[phase].parts) for phase in PHASES}
     return {"peak_bytes": phase_peaks[top], "components": phase_components[top], "peak_phase": top,
             "phase_peaks": phase_peaks, "phase_components": phase_components, "peak_reserved_bytes": reserved.allocators[0].peak,
-            "peak_reserved_expandable_bytes": reserved.allocators[1].reserved}
+            "peak_reserved_expandable_bytes": reserved.allocators[1].peak}

@@ -17,7 +17,8 @@ reserve on its device) the replay does the same: a segment that would not fit fi
 cached segments back; if it still does not fit, `out_of_memory` is set (the replay goes on, so the
 reserved peak says by how much). `ExpandableSegments` replays
 `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` instead: one segment per pool, grown at its end
-in pages of 2 MiB (small pool) or 20 MiB (large pool) as the source's `SegmentRange` maps them.
+in pages of 2 MiB (small pool) or 20 MiB (large pool) as the source's `SegmentRange` maps them, the pages
+of free blocks unmapped at the capacity's retry and by `empty_cache`.
 """
 
 from __future__ import annotations
@@ -181,12 +182,37 @@ PAGE = {True: SMALL_SEGMENT, False: LARGE_SEGMENT}  # expandable segments map 2 
 
 
 class ExpandableSegments(CachingAllocator):
-    """The caching allocator with `expandable_segments:True`: per pool (and stream) one segment that grows
-    at its end (the free block at the end grows with it); reserved = the mapped pages."""
+    """The caching allocator with `expandable_segments:True`: per pool (and stream) one segment of virtual
+    addresses that grows at its end; a block's pages (2 MiB in the small pool, 20 MiB in the large) are mapped
+    when a block needs them, and stay mapped when it is freed. reserved = the mapped pages. At the `capacity`
+    (a page that would not fit) the allocator unmaps every page that lies wholly inside a free block and tries
+    again (`release_cached_blocks`: `unmap_block` of each free block), as `empty_cache()` does."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, capacity: int | None = None):
+        super().__init__(capacity)
         self.end, self.start = {}, {}  # (stream, small pool?) -> its segment's end and start
+        self.mapped = {}  # (stream, small pool?) -> indices of its mapped pages
+
+    def malloc(self, nbytes: int, stream=0) -> tuple[int, int]:
+        address, size = super().malloc(nbytes, stream)
+        key = self.blocks[address][2]
+        pages = self.mapped.setdefault(key, set())
+        first, last = self._pages(key, address, address + size)
+        needed = [page for page in range(first, last) if page not in pages]
+        if needed:
+            grown = len(needed) * PAGE[key[1]]
+            if self.capacity is not None and self.reserved + grown > self.capacity:
+                self.empty_cache()  # the allocator's retry: unmap the free blocks' pages
+                self.out_of_memory |= self.reserved + grown > self.capacity
+            pages.update(needed)
+            self.reserved += grown
+            self.peak = max(self.peak, self.reserved)
+        return address, size
+
+    def _pages(self, key: tuple, begin: int, end: int) -> tuple[int, int]:
+        """[first, last) pages of the pool `key` that cover the addresses [begin, end)."""
+        page, start = PAGE[key[1]], self.start[key]
+        return (begin - start) // page, -(-(end - start) // page)
 
     def _grow(self, size: int, key: tuple) -> tuple[int, int]:
         if key not in self.end:  # each pool's segment in an address range of its own
@@ -198,16 +224,26 @@ class ExpandableSegments(CachingAllocator):
         else:
             address = self.end[key]
         self.end[key] = address + size
-        self.reserved = sum(-(-(self.end[k] - self.start[k]) // PAGE[k[1]]) * PAGE[k[1]] for k in self.end)
         self._place(address, size, key)
         return address, size
 
     def empty_cache(self) -> None:
-        raise NotImplementedError("empty_cache of expandable segments is not replayed")
+        """Unmap the pages that lie wholly inside free blocks (the segments' addresses stay)."""
+        for address, (size, free, key) in self.blocks.items():
+            if not free:
+                continue
+            page, start = PAGE[key[1]], self.start[key]
+            first, last = -(-(address - start) // page), (address + size - start) // page
+            pages = self.mapped.get(key, set())
+            unmapped = [p for p in range(first, last) if p in pages]
+            pages.difference_update(unmapped)
+            self.reserved -= len(unmapped) * page
+        self.whole_free.clear()
 
     def copy(self) -> ExpandableSegments:
         twin = super().copy()
         twin.end, twin.start = dict(self.end), dict(self.start)
+        twin.mapped = {key: set(pages) for key, pages in self.mapped.items()}
         return twin
 
 
@@ -226,11 +262,9 @@ class Fanout:
             allocator.free(address)
 
     def empty_cache(self) -> None:
-        """torch.cuda.empty_cache() in the default allocators (the expandable segments' is not replayed: their
-        mapped pages stay)."""
+        """torch.cuda.empty_cache() in each allocator (the expandable segments unmap their free pages)."""
         for allocator in self.allocators:
-            if not isinstance(allocator, ExpandableSegments):
-                allocator.empty_cache()
+            allocator.empty_cache()
 
     def record(self) -> None:
         for allocator in self.allocators:

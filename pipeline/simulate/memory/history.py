@@ -49,7 +49,7 @@ def window(history: dict) -> tuple[int, int]:
 def replay(history: dict, capacity: int | None = None, expandable: bool = False) -> Replayed:
     """The history's requests from the process's start, through the replay (`capacity`: the bytes the process
     may reserve, None for no edge); the peaks are taken within `window(history)`."""
-    allocator = ExpandableSegments() if expandable else Counting(capacity)
+    allocator = ExpandableSegments(capacity) if expandable else Counting(capacity)
     start, end = window(history)
     empties = {index for name, index in history["meta"]["marks"] if name == "empty_cache"}
     live, peak, real, real_peak, real_retries, oom = {}, 0, 0, 0, 0, False
@@ -59,8 +59,7 @@ def replay(history: dict, capacity: int | None = None, expandable: bool = False)
     for index in range(min(end, len(actions))):
         if index in empties:
             explicit = True
-            if not expandable:
-                allocator.empty_cache()
+            allocator.empty_cache()
         action = actions[index]
         if action == "alloc":
             explicit = False
@@ -69,10 +68,10 @@ def replay(history: dict, capacity: int | None = None, expandable: bool = False)
             address = live.pop(int(addresses[index]), None)
             if address is not None:
                 allocator.free(address)
-        elif action == "segment_alloc":
+        elif action in ("segment_alloc", "segment_map"):
             explicit = False
             real += int(sizes[index])
-        elif action == "segment_free":
+        elif action in ("segment_free", "segment_unmap"):
             real -= int(sizes[index])
             real_retries += index >= start and not explicit
         elif action == "oom":
