@@ -26,7 +26,7 @@ FLAGS = {"batch": "--batch", "seq": "--seq", "precision": "--precision", "weight
          "accelerate_config": "--accelerate-config", "gpu": "--gpu", "gpu_memory_gib": "--gpu-memory",
          "expandable_segments": "--expandable-segments", "method": "--method", "max_batch_size": "--max-batch-size",
          "max_seq_len": "--max-seq-len", "layouts": "--layouts", "min_gpus": "--min-gpus",
-         "attn_implementation": "--attn-implementation", "liger_kernel": "--liger-kernel"}
+         "attn_implementation": "--attn-implementation", "liger_kernel": "--liger-kernel", "alloc_conf": "--alloc-conf"}
 # The JSON objects a question holds and the command reads from files.
 FILES = {"config": "--config", "accelerate_config": "--accelerate-config"}
 

@@ -48,8 +48,12 @@ REPO = Path(__file__).resolve().parent.parent
 RUNNER = REPO / "tests" / "data" / "hostile" / "runner.py"
 GIB = 2**30
 MEM = 3 * GIB  # address space a case may map beyond its baseline (its RLIMIT_AS is the baseline + MEM)
-T_REJECT = 10  # seconds: bad input is rejected before any work (a child starts in ~0.1 s)
-T_WORK = 20  # seconds: a stage on two tiny models plus one bad one
+# Time bounds catch hangs, so they are wide (several times what a case takes on an idle 2-core machine) and scaled
+# by the machine's slowdown now (`calibrated_slowdown`: a busy or slow machine gets longer bounds, never shorter).
+T_REJECT = 20  # seconds: bad input is rejected before any work (a child starts in ~0.1 s)
+T_WORK = 60  # seconds: a stage on two tiny models plus one bad one (alone about 10-18 s on 2 idle cores)
+REFERENCE_WORK_SECONDS = 0.14  # CALIBRATION's best time on an idle 2-core machine of CI's kind (2026-11-28)
+CALIBRATION = "import time; t = time.perf_counter(); sum(i * i for i in range(3_000_000)); print(time.perf_counter() - t)"
 MAX_RSS_GUARDED = 1.5 * GIB  # a refusal to build what cannot fit is decided before it is built
 FRESH = os.environ.get("HOSTILE_FRESH") == "1"
 FRESH_EXTRA = 40  # seconds of imports a fresh interpreter adds
@@ -889,6 +893,16 @@ def exception_line(lines: list) -> str:
     return lines[-1] if lines else ""
 
 
+def calibrated_slowdown() -> float:
+    """How many times slower this machine runs a fixed piece of Python now than an idle 2-core machine did (at
+    least 1, at most 8): the best of three runs, each in a child process, as the cases run."""
+    times = []
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", CALIBRATION], capture_output=True, text=True, timeout=600)
+        times.append(float(done.stdout.strip()))
+    return min(max(min(times) / REFERENCE_WORK_SECONDS, 1.0), 8.0)
+
+
 def stderr_lines(outcome: dict) -> list:
     return [line for line in outcome["stderr"].splitlines() if line.strip()]
 
@@ -898,7 +912,7 @@ def judge(case: Case, outcome: dict, ws: Path, before: dict) -> list:
     if outcome is None:
         return ["no outcome (the runner died)"]
     problems = []
-    limit = case.timeout + (FRESH_EXTRA if outcome.get("fresh") else 0)
+    limit = outcome.get("timeout") or case.timeout + (FRESH_EXTRA if outcome.get("fresh") else 0)
     if outcome["timed_out"]:
         problems.append(f"hang: killed after {limit:.0f} s")
     if outcome["rc"] < 0 and not outcome["timed_out"]:
@@ -1031,6 +1045,7 @@ def outcomes(request, tmp_path_factory):
     ids = selected_ids(request.session)
     repo_before = {"results": snapshot(REPO / "results"), "models.yaml": (REPO / "models.yaml").read_bytes()}
     specs, befores = [], {}
+    slowdown = calibrated_slowdown()
     folders = {case_id: root / f"c{index:04d}" for index, case_id in enumerate(ids)}  # no words of the id in paths
     for case_id in ids:
         case = BY_ID[case_id]
@@ -1041,7 +1056,7 @@ def outcomes(request, tmp_path_factory):
         befores[case_id] = snapshot(ws)
         spec = {"id": case_id, "kind": case.kind, "cwd": substitute(case.cwd, ws), "case_dir": str(io),
                 "env": case.env, "fresh": case.fresh, "heavy": case.heavy, "mem": MEM,
-                "timeout": case.timeout + (FRESH_EXTRA if FRESH or case.fresh else 0)}
+                "timeout": (case.timeout + (FRESH_EXTRA if FRESH or case.fresh else 0)) * slowdown}
         if case.kind == "cli":
             spec["argv"] = substitute(case.argv, ws)
         else:

@@ -147,6 +147,13 @@ def test_a_link_asks_the_same_question(server):
     assert body == answer_of(server, question)
 
 
+DEEPSPEED_QUESTION = {"config": TINY_CONFIG, "batch": 2, "seq": 128, "client": "trainer", "num_gpus": 2,
+                      "weights_dtype": "bf16", "method": "exact"}
+NESTED_500 = {"stage": 2}
+for _ in range(500):
+    NESTED_500 = {"zero_optimization": NESTED_500}
+GUIDE_ZERO2_OFFLOAD = json.loads((REPO / "config" / "deepspeed" / "guide" / "zero2_offload.json").read_text())
+
 BAD = [
     ({"model": SMALL, "batch": 0, "seq": 128, "precision": "bf16", "method": "formula"}, "batch"),
     ({"model": SMALL, "batch": 1, "seq": 128, "precision": "bf16", "method": "formula", "colour": 1}, "unknown field"),
@@ -191,6 +198,12 @@ BAD = [
     ({**LLAMA_13B, "accelerate_config": "/etc/passwd"}, "accelerate_config must be a JSON object"),
     ({**LLAMA_13B, "accelerate_config": {**ACCELERATE_FSDP, "num_processes": 5000}}, "num_processes 5000 is over"),
     ({**LLAMA_13B, "accelerate_config": {**ACCELERATE_FSDP, "fsdp_colour": 1}}, "unknown accelerate config key"),
+    # DeepSpeed configs: a size beyond any GPU (refused before simulating), an object nested 500 deep, and the
+    # DeepSpeed guide's config with the Trainer's default warmup of 0 steps (DeepSpeed's WarmupLR refuses it)
+    ({**DEEPSPEED_QUESTION, "deepspeed": {"zero_optimization": {"stage": 2, "reduce_bucket_size": 1e30}}},
+     "more than 1e+13 elements"),
+    ({**DEEPSPEED_QUESTION, "deepspeed": NESTED_500}, "nested more than 32 levels"),
+    ({**DEEPSPEED_QUESTION, "deepspeed": GUIDE_ZERO2_OFFLOAD}, "the run would stop before its first step"),
 ]
 
 

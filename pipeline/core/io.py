@@ -128,12 +128,41 @@ def read_input_text(path, missing: str, unreadable: str) -> str:
         raise UserError(f"{label}: not UTF-8 text; {unreadable}") from None
 
 
+MAX_DEPTH = 32  # levels of nested objects and lists in an input: far beyond any config, far below recursion limits
+
+
 def parse_json(text: str, label: str, unreadable: str):
     """JSON text parsed; a UserError for bad or too deeply nested JSON."""
     try:
-        return json.loads(text)
+        data = json.loads(text)
     except (json.JSONDecodeError, RecursionError, MemoryError, ValueError):
         raise UserError(f"{short(label, 200, quote=False)}: {unreadable}") from None
+    check_depth(data, label)
+    return data
+
+
+def parse_yaml(text: str, label: str, unreadable: str):
+    """YAML (or JSON) text parsed; a UserError for bad or too deeply nested YAML."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError, ValueError):
+        raise UserError(f"{short(label, 200, quote=False)}: {unreadable}") from None
+    check_depth(data, label)
+    return data
+
+
+def check_depth(value, label: str, limit: int = MAX_DEPTH) -> None:
+    """A UserError when `value` (parsed JSON or YAML: dicts and lists) nests deeper than `limit` levels; walked
+    without recursion, so that no depth reaches Python's recursion limit here or later."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else ()
+        if children and depth > limit:
+            raise UserError(f"{short(label, 200, quote=False)}: nested more than {limit} levels deep")
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
 
 
 def read_json_object(path, missing: str, unreadable: str, not_object: str) -> dict:

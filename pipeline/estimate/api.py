@@ -28,7 +28,7 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
              expandable_segments=False, client=None, optim=None, gradient_accumulation=None,
              training_args=None, num_gpus=None, sharding=None, adapter=None, liger_kernel=None, completion_share=None,
              sft_config=None, weights_dtype=None, declared_dtype=None, shard_group=None, tensor_parallel=None,
-             accelerate_config=None, deepspeed=None) -> tuple[Run, list]:
+             accelerate_config=None, deepspeed=None, alloc_conf=None) -> tuple[Run, list]:
     """The Run of the user's options, and notes. `training_args` (a TrainingArguments JSON path or dict)
     sets the trainer client and what it names, `sft_config` (TRL's SFT config, YAML or JSON) the sft
     client and what it names; an option given explicitly wins over a file's.
@@ -59,6 +59,12 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
         if "autocast" in launch and "autocast" not in from_file:  # the training file's bf16 / fp16 wins
             from_file["autocast"] = launch.pop("autocast")
         from_file = {**launch, **{k: v for k, v in from_file.items() if k != "sharding" or "sharding" not in launch}}
+    if alloc_conf is not None:
+        from pipeline.training.alloc_conf import read_alloc_conf
+
+        allocator = read_alloc_conf(alloc_conf)
+        expandable_segments = expandable_segments or allocator["expandable_segments"]
+        notes += allocator["notes"]
     deepspeed = deepspeed if deepspeed is not None else from_file.pop("deepspeed_source", None)
     from_file.pop("deepspeed_source", None)
     if deepspeed is not None:
@@ -132,7 +138,8 @@ def model_of_file(model, config, params, sft_config) -> tuple:
     return named, ([f"sft config: the model is its model_name_or_path, {named}"] if named else [])
 
 
-RUN_OPTIONS = ("batch", "seq", "precision", "optimizer", "checkpointing", "attn_implementation", "expandable_segments",
+RUN_OPTIONS = ("alloc_conf", "batch", "seq", "precision", "optimizer", "checkpointing", "attn_implementation",
+               "expandable_segments",
                "client", "optim", "gradient_accumulation", "training_args", "num_gpus", "sharding", "liger_kernel",
                "completion_share", "sft_config", "weights_dtype", "shard_group", "tensor_parallel", "accelerate_config",
                "deepspeed")
@@ -170,7 +177,7 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
              gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
              lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
              completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
-             accelerate_config=None, deepspeed=None) -> dict:
+             accelerate_config=None, deepspeed=None, alloc_conf=None) -> dict:
     """Peak memory of a training step at (batch, seq), with its components (bytes).
 
     Give one of `model` (registry or Hub id), `config` (config.json path, its dict, or a
@@ -179,7 +186,8 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
     results/coefficients.json). With `gpu` (a catalogue name, `pipeline.formulas.gpus.DEVICES`) or
     `gpu_memory_gib` (nvidia-smi's total in GiB) the answer says whether it fits ("fits",
     "headroom_bytes"), judged on the reserved bytes plus the memory outside PyTorch;
-    `expandable_segments` replays PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
+    `expandable_segments` replays PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, `alloc_conf` that variable's
+    text (`training.alloc_conf`: expandable_segments replayed, garbage_collection_threshold noted, the rest refused).
 
     The step is the standard loop's (`client="loop"`, `optimizer` adamw or sgd), transformers.Trainer's
     (`client="trainer"`, `optim` by its TrainingArguments name, default adamw_torch_fused,
@@ -262,7 +270,7 @@ def max_batch_size(model=None, config=None, params=None, *, seq=None, precision=
                    gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
                    lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
                    completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
-                   accelerate_config=None, deepspeed=None) -> int:
+                   accelerate_config=None, deepspeed=None, alloc_conf=None) -> int:
     """The largest batch that fits the GPU at sequence length `seq` (0: none), by the fit verdict;
     the options are `estimate`'s."""
     options = dict(locals(), batch=1)
@@ -277,7 +285,7 @@ def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=N
                 gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
                 lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
                 completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
-                accelerate_config=None, deepspeed=None) -> int:
+                accelerate_config=None, deepspeed=None, alloc_conf=None) -> int:
     """The longest sequence that fits the GPU at batch size `batch` (0: none), by the fit verdict,
     at most the model's context length when its config gives one; the options are `estimate`'s."""
     options = dict(locals(), seq=1)
@@ -307,7 +315,8 @@ def layouts(model=None, config=None, params=None, *, batch=None, seq=None, preci
             attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
             gradient_accumulation=None, training_args=None, num_gpus=None, lora_r=None, lora_alpha=None,
             lora_targets=None, quantization=None, peft_config=None, liger_kernel=None, completion_share=None,
-            sft_config=None, weights_dtype=None, accelerate_config=None, min_gpus=False, deepspeed=None) -> dict:
+            sft_config=None, weights_dtype=None, accelerate_config=None, min_gpus=False, deepspeed=None,
+            alloc_conf=None) -> dict:
     """The layouts that fit a GPU: a table of layouts (ddp, fsdp, fsdp-no-reshard; the loop also hsdp across nodes
     and tensor parallelism within one) for N = 1, 2, 4, ... up to `num_gpus` (default 8), each with its per-GPU
     peak, reserved bytes and verdict; with `min_gpus` the fewest GPUs that fit (doubling up to `num_gpus`, default

@@ -89,6 +89,8 @@ def add_cli(subparsers) -> None:
                      help="the GPU's memory in GiB as nvidia-smi reports it (an 80 GB H100: 79.6)")
     parser.add_argument("--expandable-segments", action="store_true",
                         help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    parser.add_argument("--alloc-conf", default=None, metavar="TEXT",
+                        help="the run's PYTORCH_CUDA_ALLOC_CONF (expandable_segments is replayed)")
     search = parser.add_mutually_exclusive_group()
     search.add_argument("--max-batch-size", action="store_true", help="the largest B that fits the GPU")
     search.add_argument("--max-seq-len", action="store_true", help="the largest L that fits the GPU")
@@ -202,6 +204,7 @@ def human_summary(result: dict) -> str:
     for name in ("max_batch_size", "max_seq_len"):
         if name in result:
             lines.append(f"  {name.replace('_', ' ')}: {result[name]}")
+    lines += [f"  note: {note}" for note in result.get("notes", [])]
     return "\n".join(lines)
 
 

@@ -170,20 +170,19 @@ def deepspeed_of_accelerate(section, label: str):
 
 
 def _load_accelerate(source) -> tuple[dict, str]:
+    from pipeline.core.io import check_depth, read_input_text
+
     if isinstance(source, dict):
+        check_depth(source, "accelerate config")
         return source, "accelerate config"
-    from pipeline.core.io import read_input_text
 
     if not isinstance(source, (str, bytes)) and not hasattr(source, "__fspath__"):
         raise UserError(f"accelerate_config must be a path of a YAML file or its dict, not {type(source).__name__}")
     label = short(str(source), 200, quote=False)
     text = read_input_text(source, "accelerate config not found", "not an accelerate config")
-    try:
-        import yaml
+    from pipeline.core.io import parse_yaml
 
-        config = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UserError(f"{label}: not an accelerate config ({type(exc).__name__})") from None
+    config = parse_yaml(text, label, "not an accelerate config (not YAML)")
     if not isinstance(config, dict):
         raise UserError(f"{label}: not an accelerate config (a mapping of its keys is expected)")
     return config, label

@@ -99,21 +99,21 @@ def read_sft_config(source) -> dict:
 
 
 def _load(source) -> tuple[dict, str]:
-    import yaml
+    from pipeline.core.io import check_depth, parse_yaml
 
     if isinstance(source, dict):
+        check_depth(source, "sft config")
         return source, "sft config"
     if not isinstance(source, (str, Path)):
         raise UserError(f"sft_config must be a path of a YAML or JSON file or its dict, not {type(source).__name__}")
     path = Path(source)
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise UserError(f"{path}: sft config not found") from None
     except (OSError, UnicodeDecodeError):
         raise UserError(f"{path}: sft config cannot be read") from None
-    except yaml.YAMLError:
-        raise UserError(f"{path}: not YAML or JSON (an SFT config as `trl sft --config` takes)") from None
+    data = parse_yaml(text, str(path), "not YAML or JSON (an SFT config as `trl sft --config` takes)")
     if not isinstance(data, dict):
         raise UserError(f"{path}: not an SFT config (a mapping of SFTConfig / ModelConfig options is expected)")
     return data, str(path)

@@ -70,6 +70,9 @@ def check_flag(args: dict, key: str, label: str) -> None:
 
 def _load(source) -> dict:
     if isinstance(source, dict):
+        from pipeline.core.io import check_depth
+
+        check_depth(source, "training args")
         return source
     return read_json_object(source, "training arguments not found", "not a TrainingArguments JSON",
                             "not a TrainingArguments JSON (an object is expected)")

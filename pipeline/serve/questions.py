@@ -167,10 +167,16 @@ def from_query(params) -> dict:
 def parse_body(body: bytes):
     if len(body) > MAX_BODY_BYTES:
         raise UserError(f"the request is over the server's limit of {MAX_BODY_BYTES >> 20} MiB")
+    from pipeline.core.io import check_depth
+
     try:
-        return json.loads(body)
+        question = json.loads(body)
+    except RecursionError:
+        raise UserError("the request is nested too deeply to read") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"the request is not JSON ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from None
+    check_depth(question, "the request")
+    return question
 
 
 def needs_torch(q: dict) -> bool:

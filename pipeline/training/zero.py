@@ -62,6 +62,10 @@ ZERO_REFUSED = {"zero_hpz_partition_size": "ZeRO++'s hierarchical partitioning",
                 "zenflow": "ZenFlow"}
 OFFLOAD_KEYS = {"device", "pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read",
                 "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc", "pipeline"}
+# zero_optimization sizes that DeepSpeed allocates as buffers (elements), and the counts it compares against
+BUFFER_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
+MAX_BUFFER_ELEMENTS = 10**13  # 20 TB in bf16: more than any GPU holds, still exact in an int64
+MAX_COUNT = 10**18
 OPTIMIZER_TYPES = ("adam", "adamw")  # DeepSpeed's FusedAdam (DeepSpeedCPUAdam when the optimizer is offloaded)
 DEFAULT = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
            "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
@@ -98,6 +102,10 @@ def read_deepspeed(source, label: str | None = None) -> dict:
     if autocast != "auto":
         settings["autocast"] = autocast
     _check_optimizer(config.get("optimizer"), label)
+    if config.get("optimizer") is not None:
+        settings["notes"].append(f"{label}: its optimizer section ({config['optimizer'].get('type')}) runs, not the "
+                                 "training arguments' optim: DeepSpeed's FusedAdam (DeepSpeedCPUAdam when the optimizer "
+                                 "is offloaded), simulated as torch's fused AdamW (the same state)")
     offloaded = any(_offload_device(zero.get(key), key, label) == "cpu" for key in ("offload_optimizer",
                                                                                       "offload_param"))
     if offloaded and config.get("optimizer") is None and config.get("zero_force_ds_cpu_optimizer", True) is not False:
@@ -108,6 +116,9 @@ def read_deepspeed(source, label: str | None = None) -> dict:
 
 def _load(source, label) -> tuple[dict, str]:
     if isinstance(source, dict):
+        from pipeline.core.io import check_depth
+
+        check_depth(source, label or "deepspeed config")
         return source, label or "deepspeed config"
     if not isinstance(source, (str, bytes)) and not hasattr(source, "__fspath__"):
         raise UserError(f"deepspeed must be a path of a JSON file or its dict, not {type(source).__name__}")
@@ -151,12 +162,17 @@ def _check_zero(zero: dict, stage: int, label: str) -> None:
             raise UserError(f"{label}: {key} to NVMe is not simulated (cpu is)")
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                 "stage3_max_live_parameters", "stage3_param_persistence_threshold", "stage3_max_reuse_distance",
-                "sub_group_size"):
+                "sub_group_size", "stage3_model_persistence_threshold"):
         value = zero.get(key)
         if value is not None and value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                                       or value < 0 or value != int(value)):
+                                                       or value != value or value < 0 or value != int(value)):
             raise UserError(f"{label}: zero_optimization {key} must be a whole number of elements or \"auto\", "
                             f"not {short(value)}")
+        limit = MAX_BUFFER_ELEMENTS if key in BUFFER_KEYS else MAX_COUNT
+        if value not in (None, "auto") and value > limit:
+            what = ("DeepSpeed allocates buffers of that many elements: the run stops out of memory"
+                    if key in BUFFER_KEYS else "beyond any model")
+            raise UserError(f"{label}: zero_optimization {key} {value:.3g} is more than {limit:.0e} elements ({what})")
 
 
 def offload_devices(config_text: str) -> dict:

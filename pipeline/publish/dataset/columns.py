@@ -83,6 +83,12 @@ COLUMNS = {
     "deepspeed": ("", "zero1-3: the DeepSpeed config given to the Trainer, as JSON (the Trainer fills its \"auto\" "
                       "values when it runs; empty without DeepSpeed)"),
     "deepspeed_version": ("", "version of DeepSpeed that ran the point (empty without DeepSpeed)"),
+    "hyperparameters": ("", "JSON: the TrainingArguments optimizer and schedule numbers the run was given (learning "
+                            "rate, warmup_steps, max_steps...; a DeepSpeed config's \"auto\" values come from them); "
+                            "empty: TrainingArguments' defaults"),
+    "alloc_conf": ("", "PYTORCH_CUDA_ALLOC_CONF of the run (empty: the caching allocator's defaults)"),
+    "memory_history": ("", "rank 0's allocator history of the point (every malloc and free with its stream; "
+                           "pipeline.training.memory_history), a file under the table's folder; empty: not recorded"),
     "host_before_bytes": ("bytes", "the process's resident host memory before training (several GPUs)"),
     "host_peak_bytes": ("bytes", "the process's peak resident host memory (getrusage maxrss; with host_before_bytes "
                                  "it bounds what ZeRO-Offload keeps on the host)"),

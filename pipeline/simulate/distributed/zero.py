@@ -212,21 +212,24 @@ def meta_deepspeed(tracker, offload: bool = False):
 
 @contextlib.contextmanager
 def quiet():
-    """DeepSpeed's logs and torch's deprecation warnings of the collectives it calls (each call warns) off the
-    user's terminal."""
+    """DeepSpeed's logs below errors and torch's deprecation warnings of the collectives it calls (each call warns)
+    off the user's terminal. A filter, not the logger's level: DeepSpeed's engine and transformers' deepspeed_init
+    set that level themselves."""
     import logging
     import warnings
 
     from deepspeed.utils import logger
 
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    def errors_only(record):
+        return record.levelno >= logging.ERROR
+
+    logger.addFilter(errors_only)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed")
             yield
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(errors_only)
 
 
 def retag_states(optimizer, tracker) -> None:

@@ -269,6 +269,7 @@ def main() -> int:
         else:
             rc = -os.WTERMSIG(status)
         outcome = {"rc": rc, "seconds": round(now - started, 3), "timed_out": bool(case.get("_killed")),
+                   "timeout": case["timeout"],
                    "maxrss_kib": usage.ru_maxrss, "cpu_user": round(usage.ru_utime, 3),
                    "cpu_sys": round(usage.ru_stime, 3), "fresh": all_fresh or bool(case.get("fresh"))}
         for name in ("stdout", "stderr"):
