@@ -899,6 +899,7 @@ def calibrated_slowdown() -> float:
     times = []
     for _ in range(3):
         done = subprocess.run([sys.executable, "-c", CALIBRATION], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0 and done.stdout.strip(), done.stderr[-500:]
         times.append(float(done.stdout.strip()))
     return min(max(min(times) / REFERENCE_WORK_SECONDS, 1.0), 8.0)
 

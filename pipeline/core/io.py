@@ -155,10 +155,14 @@ def parse_yaml(text: str, label: str, unreadable: str):
 
 def check_depth(value, label: str, limit: int = MAX_DEPTH) -> None:
     """A UserError when `value` (parsed JSON or YAML: dicts and lists) nests deeper than `limit` levels; walked
-    without recursion, so that no depth reaches Python's recursion limit here or later."""
-    pending = [(value, 1)]
+    without recursion, so that no depth reaches Python's recursion limit here or later, and each container once
+    per depth it is reached at (YAML's aliases share containers: walking every path would be exponential)."""
+    pending, deepest = [(value, 1)], {}
     while pending:
         item, depth = pending.pop()
+        if deepest.get(id(item), 0) >= depth:
+            continue
+        deepest[id(item)] = depth
         children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else ()
         if children and depth > limit:
             raise UserError(f"{short(label, 200, quote=False)}: nested more than {limit} levels deep")

@@ -107,7 +107,8 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
               1 if tensor_parallel is None else tensor_parallel, given["adapter"],
               liger_kernel=False if given["liger_kernel"] is None else given["liger_kernel"],
               completion_share=1.0 if completion_share is None else completion_share,
-              deepspeed=from_file.get("deepspeed"), hyperparameters=from_file.get("hyperparameters") or Hyperparameters())
+              deepspeed=from_file.get("deepspeed"),
+              hyperparameters=from_file.get("hyperparameters") or Hyperparameters())
     return run, [*notes, *(given["adapter"].notes if given["adapter"] is not None else ())]
 
 

@@ -170,7 +170,7 @@ def deepspeed_of_accelerate(section, label: str):
 
 
 def _load_accelerate(source) -> tuple[dict, str]:
-    from pipeline.core.io import check_depth, read_input_text
+    from pipeline.core.io import check_depth, parse_yaml, read_input_text
 
     if isinstance(source, dict):
         check_depth(source, "accelerate config")
@@ -180,8 +180,6 @@ def _load_accelerate(source) -> tuple[dict, str]:
         raise UserError(f"accelerate_config must be a path of a YAML file or its dict, not {type(source).__name__}")
     label = short(str(source), 200, quote=False)
     text = read_input_text(source, "accelerate config not found", "not an accelerate config")
-    from pipeline.core.io import parse_yaml
-
     config = parse_yaml(text, label, "not an accelerate config (not YAML)")
     if not isinstance(config, dict):
         raise UserError(f"{label}: not an accelerate config (a mapping of its keys is expected)")

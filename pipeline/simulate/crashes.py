@@ -17,8 +17,11 @@ import re
 from pipeline.core.errors import UserError
 from pipeline.core.text import short
 
-LIBRARIES = ("deepspeed", "transformers", "accelerate", "trl", "peft")
+# the libraries whose checks refuse a user's setting (torch's optimizers: a negative learning rate, betas >= 1)
+LIBRARIES = ("deepspeed", "transformers", "accelerate", "trl", "peft", "torch.optim")
 REFUSALS = (ValueError, AssertionError, TypeError, KeyError, NotImplementedError)
+# a TypeError or KeyError is also how a stand-in called the wrong way fails: only these messages are refusals
+NAMED_ONLY = (TypeError, KeyError)
 # (pattern of the library's message, what to change): the settings a message points to
 HINTS = (
     (r"warmup_num_steps must be a positive integer",
@@ -29,6 +32,8 @@ HINTS = (
     (r"does not recognize LR scheduler", "the config's scheduler.type: WarmupLR, WarmupDecayLR, WarmupCosineLR, "
                                          "OneCycle, LRRangeTest or a torch.optim.lr_scheduler class"),
     (r"unexpected keyword argument", "a params key of the config's scheduler or optimizer section"),
+    (r"Invalid (learning rate|beta parameter|epsilon value|weight_decay value)",
+     "the training file's learning_rate, adam_beta1 / adam_beta2, adam_epsilon or weight_decay"),
     (r"Extra inputs are not permitted", "a key DeepSpeed does not know in the config"),
 )
 
@@ -57,18 +62,23 @@ def refusal(exc: BaseException) -> str | None:
     if not isinstance(exc, REFUSALS) and type(exc).__name__ != "DeepSpeedConfigError":
         return None
     traceback = exc.__traceback__
-    module = None
+    module = ""
     while traceback is not None:
         module = traceback.tb_frame.f_globals.get("__name__", "")
         traceback = traceback.tb_next
-    if not module or module.split(".")[0] not in LIBRARIES or "meta" in str(exc).lower():
+    if not any(module == library or module.startswith(library + ".") for library in LIBRARIES):
+        return None
+    if "meta" in str(exc).lower():
+        return None
+    if isinstance(exc, NAMED_ONLY) and not any(re.search(pattern, str(exc)) for pattern, _ in HINTS):
         return None
     return module
 
 
 def crash_line(exc: BaseException, module: str, when: str) -> str:
     message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
-    library = {"deepspeed": "DeepSpeed", "trl": "TRL", "peft": "PEFT"}.get(module.split(".")[0], module.split(".")[0])
+    library = {"deepspeed": "DeepSpeed", "trl": "TRL", "peft": "PEFT", "torch": "torch"}.get(module.split(".")[0],
+                                                                                       module.split(".")[0])
     hint = next((advice for pattern, advice in HINTS if re.search(pattern, message)), None)
     line = f"the run would stop {when}: {library} ({module}) refuses it: {short(message, 400, quote=False)}"
     return f"{line}; {hint}" if hint else line

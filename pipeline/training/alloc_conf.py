@@ -44,7 +44,8 @@ def read_alloc_conf(text) -> dict:
                             "answer would be wrong for it)")
         if key == "expandable_segments":
             if value.lower() not in ("true", "false"):
-                raise UserError(f"PYTORCH_CUDA_ALLOC_CONF: expandable_segments must be True or False, not {short(value)}")
+                raise UserError("PYTORCH_CUDA_ALLOC_CONF: expandable_segments must be True or False, not "
+                                f"{short(value)}")
             settings["expandable_segments"] = value.lower() == "true"
         elif key in NOTED:
             try:

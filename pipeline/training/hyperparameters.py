@@ -84,7 +84,7 @@ class Hyperparameters:
 
 
 def _number(value, key: str, label: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or abs(value) > 1e12:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and not math.isfinite(value)) or abs(value) > 1e12:
         raise UserError(f"{label}: {key} must be a finite number, not {short(value)}")
     return value

@@ -26,6 +26,8 @@ def start() -> None:
     global _marks
     import torch
 
+    if _marks is not None:
+        return
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=MAX_ENTRIES)
     _marks = []
     empty_cache = torch.cuda.empty_cache
@@ -43,7 +45,8 @@ def recording() -> bool:
 
 
 def mark(name: str) -> None:
-    """A named place among the events (the next event's index); nothing when not recording."""
+    """A named place among the events (the next event's index); nothing when not recording. Each mark copies the
+    history so far (torch offers no count of it): its host memory shows in the point's resident-memory peak."""
     if _marks is not None:
         _marks.append((name, len(_events())))
 
@@ -65,7 +68,9 @@ def save(path, meta: dict) -> None:
                "addr": np.array([e["addr"] for e in events], dtype=np.uint64),
                "size": np.array([e["size"] for e in events], dtype=np.int64),
                "stream": np.array([e["stream"] for e in events], dtype=np.uint64)}
-    meta = {**meta, "marks": _marks or [], "events": len(events), "total_bytes": torch.cuda.mem_get_info()[1],
+    # a full ring buffer has dropped its first events: the marks' indices would not point at theirs
+    meta = {**meta, "marks": _marks or [], "events": len(events), "wrapped": len(events) >= MAX_ENTRIES,
+            "total_bytes": torch.cuda.mem_get_info()[1],
             "max_memory_reserved": torch.cuda.max_memory_reserved(), "memory_reserved": torch.cuda.memory_reserved()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, meta=np.array(json.dumps(meta, default=str)), **columns)

@@ -147,13 +147,22 @@ class Run:
                    shard_group=None if cell(row, "shard_group") is None else int(cell(row, "shard_group")),
                    tensor_parallel=int(cell(row, "tensor_parallel") or 1), deepspeed=cell(row, "deepspeed") or None,
                    hyperparameters=Hyperparameters.from_text(cell(row, "hyperparameters")),
-                   expandable_segments="expandable_segments:true" in str(cell(row, "alloc_conf") or "").lower())
+                   expandable_segments=expandable(cell(row, "alloc_conf")))
 
     def with_batch(self, batch: int) -> Run:
         return replace(self, batch=batch)
 
     def with_seq(self, seq: int) -> Run:
         return replace(self, seq=seq)
+
+
+def expandable(alloc_conf) -> bool:
+    """Whether a PYTORCH_CUDA_ALLOC_CONF text (a table's `alloc_conf` cell) turns expandable segments on."""
+    if not isinstance(alloc_conf, str) or not alloc_conf:
+        return False
+    from pipeline.training.alloc_conf import read_alloc_conf
+
+    return read_alloc_conf(alloc_conf)["expandable_segments"]
 
 
 @dataclass

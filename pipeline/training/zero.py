@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 
 from pipeline.core.errors import UserError
 from pipeline.core.text import short
@@ -164,15 +165,26 @@ def _check_zero(zero: dict, stage: int, label: str) -> None:
                 "stage3_max_live_parameters", "stage3_param_persistence_threshold", "stage3_max_reuse_distance",
                 "sub_group_size", "stage3_model_persistence_threshold"):
         value = zero.get(key)
-        if value is not None and value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                                       or value != value or value < 0 or value != int(value)):
+        if value is None or value == "auto":
+            continue
+        if not whole_number(value):
             raise UserError(f"{label}: zero_optimization {key} must be a whole number of elements or \"auto\", "
                             f"not {short(value)}")
         limit = MAX_BUFFER_ELEMENTS if key in BUFFER_KEYS else MAX_COUNT
-        if value not in (None, "auto") and value > limit:
+        if value > limit:
             what = ("DeepSpeed allocates buffers of that many elements: the run stops out of memory"
                     if key in BUFFER_KEYS else "beyond any model")
-            raise UserError(f"{label}: zero_optimization {key} {value:.3g} is more than {limit:.0e} elements ({what})")
+            raise UserError(f"{label}: zero_optimization {key} {short(value, 20)} is more than {limit:.0e} elements "
+                            f"({what})")
+
+
+def whole_number(value) -> bool:
+    """A count of elements: a non-negative integer, or a float with an integer's value (JSON's 2e8)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return value >= 0 and value == int(value)
 
 
 def offload_devices(config_text: str) -> dict:

@@ -137,6 +137,7 @@ class Scheduler:
         folder = Path(tempfile.mkdtemp(prefix="avp-point-"))
         env = dict(os.environ, **MULTICAST_OFF, CUDA_VISIBLE_DEVICES=",".join(visible_devices(slot)),
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # the group's allocator settings, not the launcher's
         if group.alloc_conf:
             env["PYTORCH_CUDA_ALLOC_CONF"] = group.alloc_conf
         if os.environ.get("DS_ACCELERATOR") == "cpu" and _gpu_count():
@@ -255,8 +256,9 @@ def history_name(row: dict) -> str:
     import hashlib
 
     digest = hashlib.sha1(json.dumps(point_key(row), default=str).encode()).hexdigest()[:8]
-    model = row["model_id"].split("/")[-1]
-    return f"{model}-{row['client']}-{row.get('sharding') or 'tp'}-{row['num_gpus']}-B{row['batch_size']}-L{row['seq_len']}-{digest}.npz"
+    parts = (row["model_id"].split("/")[-1], row["client"], row.get("sharding") or "tp", row["num_gpus"],
+             f"B{row['batch_size']}", f"L{row['seq_len']}", digest)
+    return "-".join(map(str, parts)) + ".npz"
 
 
 def port_race(log_text: str) -> bool:

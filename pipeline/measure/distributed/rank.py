@@ -60,7 +60,8 @@ def measure_rank(args) -> dict:
     row.update(setup_device(device, allow_tf32=True))
     layout = Layout(world, args.sharding, args.shard_group, args.tensor_parallel)
     row.update(layout.columns(), deepspeed=args.deepspeed, rank=rank, split=args.split, first_in_process=True,
-               deepspeed_version=deepspeed_version(args.deepspeed), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+               deepspeed_version=deepspeed_version(args.deepspeed),
+               alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     if args.client == "loop":
         row.update(loop_point(record, args.precision, layout, args.batch, args.seq, device, local_rank,
                               args.checkpointing))
@@ -72,11 +73,9 @@ def measure_rank(args) -> dict:
         row.update(measure_point(model, setting, args.precision, args.batch, args.seq, device))
         row.update(host_before_bytes=host_before, host_peak_bytes=peak_resident_bytes())
     if history:
-        memory_history.save(history, {"status": row.get("status"), "peak_reserved_bytes": row.get("peak_reserved_bytes"),
-                                      "peak_allocated_bytes": row.get("peak_allocated_bytes"),
-                                      "nvml_train_end_bytes": row.get("nvml_train_end_bytes"),
-                                      "reserved_train_end_bytes": row.get("reserved_train_end_bytes"),
-                                      "alloc_conf": row.get("alloc_conf")})
+        memory_history.save(history, {key: row.get(key) for key in (
+            "status", "peak_reserved_bytes", "peak_allocated_bytes", "nvml_train_end_bytes",
+            "reserved_train_end_bytes", "alloc_conf")})
     if isinstance(row.get("reserved_by_stream"), dict):
         row["reserved_by_stream"] = json.dumps(row["reserved_by_stream"])
     extra = {column: row.get(column) for column in EXTRA_COLUMNS}

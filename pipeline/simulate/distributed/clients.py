@@ -183,7 +183,7 @@ def trainer_of(model, run: Run, trace):
     setting = run.setting
     if run.client == "trainer":
         return meta_trainer(model, run.batch, run.precision, run.optim, run.gradient_accumulation, run.checkpointing,
-                            "meta", run.liger_kernel, setting=run.setting)
+                            "meta", run.liger_kernel, setting=setting)
     if run.client == "sft":
         return meta_sft_trainer(model, setting, run.precision, run.batch, run.seq, "meta")
     if run.client == "dpo":

@@ -35,82 +35,115 @@ def last_pow2(n: int) -> int:
 
 
 def iterator_dims(shape, strides, reduced) -> list[tuple[int, int, bool]]:
-    """(size, stride in elements, reduced?) of TensorIterator's dimensions for a reduction of a tensor: size-1
-    dimensions dropped, the reduced ones first, each group by stride (ties: the smaller first), adjacent ones that
-    are one in memory coalesced."""
-    dims = [(size, stride, d in reduced) for d, (size, stride) in enumerate(zip(shape, strides)) if size != 1]
-    ordered = sorted(dims, key=lambda dim: (not dim[2], dim[1], dim[0]))
-    coalesced = []
-    for size, stride, is_reduced in ordered:
-        if coalesced and coalesced[-1][2] == is_reduced and stride == coalesced[-1][0] * coalesced[-1][1]:
-            last_size, last_stride, _ = coalesced.pop()
-            coalesced.append((last_size * size, last_stride, is_reduced))
+    """(size, input stride in elements, reduced?) of TensorIterator's dimensions for a reduction of a tensor:
+    size-1 dimensions dropped; ordered as `reorder_dimensions` compares the output first (the reduced dimensions,
+    its stride 0, to the front; the others by its contiguous strides: the last one fastest), then the input's
+    strides among the reduced; adjacent dimensions coalesced where both operands are one run in memory."""
+    kept = [d for d, size in enumerate(shape) if size != 1]
+    outputs = [d for d in kept if d not in reduced]
+    out_stride, running = {}, 1
+    for d in reversed(outputs):
+        out_stride[d], running = running, running * shape[d]
+    ordered = sorted((d for d in kept if d in reduced), key=lambda d: (strides[d], shape[d]))
+    ordered += sorted(outputs, key=lambda d: out_stride[d])
+    coalesced = []  # [size, input stride, output stride, reduced?]
+    for d in ordered:
+        dim = [shape[d], strides[d], out_stride.get(d, 0), d in reduced]
+        last = coalesced[-1] if coalesced else None
+        if last and last[3] == dim[3] and dim[1] == last[0] * last[1] and dim[2] == last[0] * last[2]:
+            last[0] *= dim[0]
         else:
-            coalesced.append((size, stride, is_reduced))
-    return coalesced
+            coalesced.append(dim)
+    return [(size, stride, is_reduced) for size, stride, _, is_reduced in coalesced]
 
 
 def output_vec_size(dims: list, num_reduce_dims: int) -> int:
     """get_output_vec_size: 4, halved until it divides the first output dimension and the input's other strides
     (the data pointer taken as aligned)."""
     vec = 4
-    values = [dims[num_reduce_dims][0]] + [stride for index, (_, stride, _) in enumerate(dims) if index != num_reduce_dims]
+    values = [dims[num_reduce_dims][0]] + [stride for index, (_, stride, _) in enumerate(dims)
+                                           if index != num_reduce_dims]
     for value in values:
         while value % vec:
             vec //= 2
     return vec
 
 
+class ReduceConfig:
+    """ATen's ReduceConfig as `setReduceConfig` fills it, for the bytes of the global reduce."""
+
+    def __init__(self, accumulate_bytes: int, num_outputs: int, num_inputs: int):
+        self.accumulate_bytes, self.num_outputs, self.num_inputs = accumulate_bytes, num_outputs, num_inputs
+        self.step_input = self.step_output = 1
+        self.block_x_reduce = self.split_warps = False
+        self.width = self.height = 1
+        self.vec = 1
+        self.ctas = 1
+
+    def set_block_dimension(self, dim0: int, dim1: int) -> None:
+        max_threads = MAX_THREADS // self.vec
+        dim0_pow2 = last_pow2(dim0) if dim0 < max_threads else max_threads
+        dim1_pow2 = last_pow2(dim1) if dim1 < max_threads else max_threads
+        self.width = min(dim0_pow2, WARP)
+        self.height = min(dim1_pow2, max_threads // self.width)
+        self.width = min(dim0_pow2, max_threads // self.height)
+
+    def values_per_thread(self) -> int:
+        return div_up(self.num_inputs, self.step_input)
+
+    def grid(self) -> int:
+        return div_up(self.num_outputs // self.vec, self.step_output)
+
+    def split_across_blocks(self) -> None:
+        """Divide the input across thread blocks when each thread has much work and the outputs are few."""
+        threads = self.width * self.height
+        target = MULTIPROCESSORS * (THREADS_PER_MULTIPROCESSOR // threads)
+        per_thread, grid = self.values_per_thread(), self.grid()
+        if not (self.split_warps and per_thread >= MAX_VALUES_PER_THREAD and grid <= target):
+            return
+        self.ctas = max(min(div_up(target, grid), div_up(per_thread, MIN_VALUES_PER_THREAD)),
+                        div_up(per_thread, MAX_VALUES_PER_THREAD))
+
+    def scratch_bytes(self) -> list[int]:
+        """[staging buffer, semaphores] of the global reduce, or nothing without one."""
+        if self.ctas <= 1:
+            return []
+        per_output = 1 if self.block_x_reduce else self.width * self.vec
+        return [self.accumulate_bytes * self.num_outputs * self.ctas * per_output, 4 * self.grid()]
+
+
 def scratch_bytes(shape, strides, reduced, accumulate_bytes: int) -> list[int]:
-    """[staging buffer, semaphores] bytes of one reduction (empty where it needs no global reduce)."""
+    """[staging buffer, semaphores] bytes of one reduction of a tensor (empty where it needs no global reduce)."""
     dims = iterator_dims(shape, strides, set(reduced))
     numel = math.prod(shape)
     if not dims or numel == 0:
         return []
     num_reduce_dims = sum(1 for _, _, is_reduced in dims if is_reduced)
     num_outputs = math.prod(size for size, _, is_reduced in dims if not is_reduced)
-    inputs = numel // num_outputs
+    config = ReduceConfig(accumulate_bytes, num_outputs, numel // num_outputs)
     on_fastest = num_reduce_dims == len(dims) or dims[0][1] < dims[num_reduce_dims][1]
     if on_fastest:
-        dim0, dim1, fastest = inputs, num_outputs, dims[0][1]
+        dim0, dim1, fastest = config.num_inputs, num_outputs, dims[0][1]
     else:
-        dim0, dim1, fastest = num_outputs, inputs, dims[num_reduce_dims][1]
-    vec = 1
-    if fastest == 1:
-        if on_fastest and dim0 >= 128 and num_reduce_dims == 1:
-            dim0 //= INPUT_VEC_SIZE
-        elif not on_fastest:
-            vec = output_vec_size(dims, num_reduce_dims)
-            dim0 //= vec
-    max_threads = MAX_THREADS // vec
-    dim0_pow2 = last_pow2(dim0) if dim0 < max_threads else max_threads
-    dim1_pow2 = last_pow2(dim1) if dim1 < max_threads else max_threads
-    width = min(dim0_pow2, WARP)
-    height = min(dim1_pow2, max_threads // width)
-    width = min(dim0_pow2, max_threads // height)
-    threads = width * height
-    step_input = step_output = 1
-    block_x_reduce = on_fastest
+        dim0, dim1, fastest = num_outputs, config.num_inputs, dims[num_reduce_dims][1]
+    if fastest == 1 and on_fastest and dim0 >= 128 and num_reduce_dims == 1:
+        dim0 //= INPUT_VEC_SIZE  # vectorize along the input
+    elif fastest == 1 and not on_fastest:
+        config.vec = output_vec_size(dims, num_reduce_dims)  # vectorize along the output
+        dim0 //= config.vec
+    config.set_block_dimension(dim0, dim1)
+    config.block_x_reduce = on_fastest
     if on_fastest:
-        step_input *= width
+        config.step_input *= config.width
     else:
-        step_output *= width
-    split_warps = div_up(inputs, step_input) >= min(height * 16, MAX_VALUES_PER_THREAD)
-    if split_warps:
-        step_input *= height
+        config.step_output *= config.width
+    config.split_warps = config.values_per_thread() >= min(config.height * 16, MAX_VALUES_PER_THREAD)
+    if config.split_warps:
+        config.step_input *= config.height
     else:
-        step_output *= height
-    target = MULTIPROCESSORS * (THREADS_PER_MULTIPROCESSOR // threads)
-    grid = div_up(num_outputs // vec, step_output)
-    per_thread = div_up(inputs, step_input)
-    if not (split_warps and per_thread >= MAX_VALUES_PER_THREAD and grid <= target):
-        return []
-    ctas = max(min(div_up(target, grid), div_up(per_thread, MIN_VALUES_PER_THREAD)),
-               div_up(per_thread, MAX_VALUES_PER_THREAD))
-    if ctas <= 1:
-        return []
-    buffer = accumulate_bytes * num_outputs * ctas * (1 if block_x_reduce else width * vec)
-    return [buffer, 4 * grid]
+        config.step_output *= config.height
+    config.split_across_blocks()
+    return config.scratch_bytes()
 
 
 def accumulate_bytes(dtype: torch.dtype) -> int:
@@ -127,12 +160,14 @@ def _dims(tensor, dim) -> list[int]:
     return [d % max(tensor.dim(), 1) for d in dims]
 
 
-def _reduction(dim_position: int, extremum: bool = False):
+def _reduction(dim_position: int | None, extremum: bool = False):
+    """The scratch rule of a reduction op whose `dim` is its argument `dim_position` (None: it reduces all)."""
     def rule(args, kwargs, out):
         tensor = args[0]
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
             return []
-        dim = args[dim_position] if len(args) > dim_position else kwargs.get("dim")
+        given = dim_position is not None and len(args) > dim_position
+        dim = args[dim_position] if given else kwargs.get("dim")
         size = tensor.element_size() if extremum else accumulate_bytes(tensor.dtype)
         return scratch_bytes(tuple(tensor.shape), tuple(tensor.stride()), _dims(tensor, dim), size)
     return rule
@@ -141,6 +176,6 @@ def _reduction(dim_position: int, extremum: bool = False):
 def reduction_workspaces() -> dict:
     """{aten overload: fn(args, kwargs, out) -> [bytes, ...]} of the reductions that run Reduce.cuh's kernel."""
     aten = torch.ops.aten
-    return {aten.sum.dim_IntList: _reduction(1), aten.sum.default: _reduction(99), aten.mean.dim: _reduction(1),
-            aten.mean.default: _reduction(99), aten.linalg_vector_norm.default: _reduction(2),
+    return {aten.sum.dim_IntList: _reduction(1), aten.sum.default: _reduction(None), aten.mean.dim: _reduction(1),
+            aten.mean.default: _reduction(None), aten.linalg_vector_norm.default: _reduction(2),
             aten.amax.default: _reduction(1, extremum=True), aten.amin.default: _reduction(1, extremum=True)}

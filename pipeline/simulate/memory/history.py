@@ -18,11 +18,12 @@ class Replayed:
 
     peak_reserved: int  # the replay's largest reserved bytes within the window (the measurement's peak counter's)
     real_peak_reserved: int  # the real allocator's, from its own segment events, within the same window
-    retries: int  # times the replay gave its cached segments back at the capacity
-    real_retries: int  # segments the real allocator gave back outside explicit empty_cache calls
+    retries: int  # times the replay gave its cached segments back at the capacity, within the window
+    real_freed: int  # segments the real allocator gave back outside explicit empty_cache calls, within the window
     out_of_memory: bool
     real_out_of_memory: bool
-    reserved_by_stream: dict = field(default_factory=dict)  # the replay's segments by stream at its peak
+    # the replay's segments by stream at its peak (the default allocator's; empty with expandable segments)
+    reserved_by_stream: dict = field(default_factory=dict)
 
 
 class Counting(CachingAllocator):
@@ -52,7 +53,7 @@ def replay(history: dict, capacity: int | None = None, expandable: bool = False)
     allocator = ExpandableSegments(capacity) if expandable else Counting(capacity)
     start, end = window(history)
     empties = {index for name, index in history["meta"]["marks"] if name == "empty_cache"}
-    live, peak, real, real_peak, real_retries, oom = {}, 0, 0, 0, 0, False
+    live, peak, real, real_peak, real_freed, oom, retries_before = {}, 0, 0, 0, 0, False, 0
     explicit = False  # within the segment frees of an explicit empty_cache call
     by_stream = {}
     actions, addresses, sizes, streams = history["action"], history["addr"], history["size"], history["stream"]
@@ -73,17 +74,17 @@ def replay(history: dict, capacity: int | None = None, expandable: bool = False)
             real += int(sizes[index])
         elif action in ("segment_free", "segment_unmap"):
             real -= int(sizes[index])
-            real_retries += index >= start and not explicit
+            real_freed += index >= start and not explicit
         elif action == "oom":
             oom |= index >= start
         if index == start:
-            allocator.peak = allocator.reserved
+            retries_before = getattr(allocator, "retries", 0)
         if index >= start:
             if allocator.reserved > peak:
                 peak, by_stream = allocator.reserved, _by_stream(allocator)
             real_peak = max(real_peak, real)
-    retries = getattr(allocator, "retries", 0)
-    return Replayed(peak, real_peak, retries, real_retries, allocator.out_of_memory, oom, by_stream)
+    return Replayed(peak, real_peak, getattr(allocator, "retries", 0) - retries_before, real_freed,
+                    allocator.out_of_memory, oom, by_stream)
 
 
 def _by_stream(allocator) -> dict:
