@@ -26,6 +26,7 @@ FIGURES = {
     "full_vs_lora_vs_qlora": ("peak_memory.parquet", "lora/h100/peak_memory.parquet"),
     "trainer_vs_sft": ("sft/h100/peak_memory.parquet",),
     "several_gpus": ("settings_validation.parquet", "layouts/formula_vs_exact.parquet", "layouts/peak_vs_gpus.parquet"),
+    "edge": ("settings_validation.parquet",),
 }
 SFT_MODELS = ("Qwen/Qwen2.5-0.5B", "meta-llama/Llama-3.2-1B")  # the Trainer and SFTTrainer of config/sweep_sft.yaml
 ADAPTER_MODELS = ("Qwen/Qwen3-0.6B", "meta-llama/Llama-3.2-1B", "google/gemma-2-2b", "meta-llama/Llama-3.2-3B")
@@ -575,6 +576,44 @@ def draw_layouts_panel(ax, table) -> None:
     ax.legend(fontsize=7)
 
 
+def draw_edge(results_dir: Path):
+    """The points measured within a few GiB of the GPU's total (several GPUs, rank 0): the headroom each left on its
+    GPU (its total less reserved and the memory outside PyTorch) against the exact estimator's; a point that ran out
+    of memory is crossed at the line, where its estimate should be above."""
+    import matplotlib.pyplot as plt
+
+    rows = read(results_dir, "settings_validation.parquet")
+    rows = rows[(rows["estimator"] == "exact") & (rows["rank"] == 0) & (rows["layout"] != "1 GPU")
+                & rows["device"].str.contains("H100", na=False)].copy()
+    figure, ax = plt.subplots(figsize=(11, 5), layout="constrained")
+    rows["predicted_headroom"] = (rows["gpu_memory_bytes"] - rows["predicted_reserved_bytes"] - rows["outside_bytes"]) / GIB
+    rows["measured_headroom"] = (rows["gpu_memory_bytes"] - rows["measured_reserved_bytes"] - rows["outside_bytes"]) / GIB
+    near = (rows["status"] == "oom") | (rows["measured_headroom"] < EDGE_GIB)
+    rows = rows[near].sort_values(["split", "layout", "model_id", "batch_size"]).reset_index(drop=True)
+    if rows.empty:
+        no_data(ax, "no several-GPU point measured near an H100's edge")
+        return figure
+    labels = [f"{r.model_id.split('/')[-1]} {r.client} {r.layout} B={r.batch_size}"
+              + (" (expandable)" if isinstance(getattr(r, "alloc_conf", None), str) else "")
+              + (" held out" if r.split == "held-out" else "") for r in rows.itertuples()]
+    oom = rows["status"] == "oom"
+    ax.axhline(0, color="grey", lw=1, ls="--", label="the GPU's total")
+    ax.scatter(rows.index[~oom], rows["measured_headroom"][~oom], marker="o", s=45, color="tab:blue",
+               label="measured headroom (trained)")
+    ax.scatter(rows.index[oom], [0] * int(oom.sum()), marker="X", s=70, color="tab:red", label="ran out of memory")
+    ax.scatter(rows.index, rows["predicted_headroom"].clip(lower=-EDGE_GIB), marker="_", s=250, color="black",
+               label="exact estimate (below the line: does not fit)")
+    ax.set_xticks(rows.index, labels, rotation=65, ha="right", fontsize=7)
+    ax.set(ylabel="headroom on the GPU (GiB)", ylim=(-EDGE_GIB - 0.5, EDGE_GIB),
+           title="The last GiB of an 80 GB H100 (2 GPUs, rank 0): estimated and measured headroom")
+    ax.grid(True, axis="y", alpha=0.25)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return figure
+
+
+EDGE_GIB = 4  # points within this of the GPU's total are the edge's
+
+
 DRAWERS = {
     "activations_vs_parameters": draw_activations_vs_parameters,
     "residuals_by_family": draw_residuals_by_family,
@@ -586,6 +625,7 @@ DRAWERS = {
     "full_vs_lora_vs_qlora": draw_full_vs_lora_vs_qlora,
     "trainer_vs_sft": draw_trainer_vs_sft,
     "several_gpus": draw_several_gpus,
+    "edge": draw_edge,
 }
 
 
