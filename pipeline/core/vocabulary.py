@@ -96,10 +96,12 @@ OPTIMS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd", "adamw_bnb_8bi
 # has no momentum, the loop's has 0.9: no name).
 OPTIM_OF_LOOP_OPTIMIZER = {"adamw": "adamw_torch", "sgd": None}
 # loop: the standard training step; trainer: transformers.Trainer; sft: TRL's SFTTrainer; dpo: TRL's
-# DPOTrainer (docs/definitions.md)
-CLIENTS = ("loop", "trainer", "sft", "dpo")
+# DPOTrainer; grpo, rloo: TRL's GRPOTrainer and RLOOTrainer, online RL with generation (docs/definitions.md)
+CLIENTS = ("loop", "trainer", "sft", "dpo", "grpo", "rloo")
 # The clients built on transformers.Trainer: they take `optim`, gradient accumulation and Liger's kernels.
-TRAINER_CLIENTS = ("trainer", "sft", "dpo")
+TRAINER_CLIENTS = ("trainer", "sft", "dpo", "grpo", "rloo")
+# The clients that generate their completions in the step (`training.rollout.Rollout`)
+ROLLOUT_CLIENTS = ("grpo", "rloo")
 # The clients of TRL's trainers: prompt-completion data, whose completion share they take.
 TRL_CLIENTS = ("sft", "dpo")
 # Adapters on a frozen base: LoRA, or QLoRA on a base quantized by bitsandbytes (nf4: 4-bit, int8: 8-bit)

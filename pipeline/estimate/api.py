@@ -12,7 +12,7 @@ from pipeline.estimate.training_args import read_training_args
 from pipeline.training.hyperparameters import Hyperparameters
 from pipeline.training.values import GIB, Run, Target
 from pipeline.estimate.verdict import judge, limited, required_device, gpu_of
-from pipeline.core.vocabulary import METHODS, TRL_CLIENTS, check_choice, precision_mode
+from pipeline.core.vocabulary import METHODS, ROLLOUT_CLIENTS, TRL_CLIENTS, check_choice, precision_mode
 from pipeline.training.step import SFT_DEFAULT_CHECKPOINTING
 
 
@@ -28,7 +28,8 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
              expandable_segments=False, client=None, optim=None, gradient_accumulation=None,
              training_args=None, num_gpus=None, sharding=None, adapter=None, liger_kernel=None, completion_share=None,
              sft_config=None, weights_dtype=None, declared_dtype=None, shard_group=None, tensor_parallel=None,
-             accelerate_config=None, deepspeed=None, alloc_conf=None) -> tuple[Run, list]:
+             accelerate_config=None, deepspeed=None, alloc_conf=None, rollout=None,
+             grpo_config=None) -> tuple[Run, list]:
     """The Run of the user's options, and notes. `training_args` (a TrainingArguments JSON path or dict)
     sets the trainer client and what it names, `sft_config` (TRL's SFT config, YAML or JSON) the sft
     client and what it names; an option given explicitly wins over a file's.
@@ -43,14 +44,19 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
              "optim": optim, "gradient_accumulation": gradient_accumulation, "liger_kernel": liger_kernel,
              "adapter": adapter, "num_gpus": num_gpus, "sharding": sharding}
     notes, from_file = [], {}
-    if training_args is not None and sft_config is not None:
-        raise UserError("give one of training arguments (--training-args) and an SFT config (--sft-config), not both")
+    if sum(f is not None for f in (training_args, sft_config, grpo_config)) > 1:
+        raise UserError("give one training file: training arguments (--training-args), an SFT config (--sft-config) "
+                        "or a GRPO / RLOO config (--grpo-config)")
     if training_args is not None:
         from_file = read_training_args(training_args)
     elif sft_config is not None:
         from pipeline.estimate.sft_config import read_sft_config
 
         from_file = read_sft_config(sft_config)
+    elif grpo_config is not None:
+        from pipeline.estimate.sft_config import read_sft_config
+
+        from_file = read_sft_config(grpo_config, client or "grpo")
     if accelerate_config is not None:
         from pipeline.estimate.launch import read_accelerate_config
 
@@ -77,9 +83,10 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
     if weights_dtype is not None:
         check_choice("weights dtype", weights_dtype, WEIGHTS_DTYPES)
     client = given["client"] or "loop"
+    trl = client in TRL_CLIENTS + ROLLOUT_CLIENTS
     if given["precision"] is None:
-        autocast = from_file["autocast"] if "autocast" in from_file else "bf16" if client in TRL_CLIENTS else None
-        if autocast is None and not from_file and client not in TRL_CLIENTS:
+        autocast = from_file["autocast"] if "autocast" in from_file else "bf16" if trl else None
+        if autocast is None and not from_file and not trl:
             raise UserError("the precision is required: --precision (precision=), or a training file's bf16 / fp16 "
                             "with the weights' dtype (--training-args, --sft-config)")
         weights = weights_dtype or from_file.get("weights") or (declared_dtype() if declared_dtype else None)
@@ -97,7 +104,7 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
     if given["seq"] is None:
         raise UserError("the sequence length is required: --seq (seq=), or max_length in the SFT config")
     if given["checkpointing"] is None:
-        given["checkpointing"] = client in TRL_CLIENTS and SFT_DEFAULT_CHECKPOINTING  # TRL's configs checkpoint
+        given["checkpointing"] = trl and SFT_DEFAULT_CHECKPOINTING  # TRL's configs checkpoint
     if not isinstance(given["checkpointing"], bool):
         raise UserError(f"checkpointing must be true or false, not {given['checkpointing']!r}")
     run = Run(given["batch"], given["seq"], given["precision"], optimizer, given["checkpointing"], attn_implementation,
@@ -108,8 +115,32 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
               liger_kernel=False if given["liger_kernel"] is None else given["liger_kernel"],
               completion_share=1.0 if completion_share is None else completion_share,
               deepspeed=from_file.get("deepspeed"),
-              hyperparameters=from_file.get("hyperparameters") or Hyperparameters())
+              hyperparameters=from_file.get("hyperparameters") or Hyperparameters(),
+              rollout=rollout_of(client, from_file.get("rollout"), rollout))
     return run, [*notes, *(given["adapter"].notes if given["adapter"] is not None else ())]
+
+
+def rollout_columns(run: Run) -> dict:
+    """The rollout as the run has it (TRL's defaults filled in), and whether a reference model is held."""
+    from dataclasses import asdict
+
+    full = run.rollout.defaults(run.client)
+    return {**asdict(full), "steps_per_generation": full.steps_per_generation or run.gradient_accumulation,
+            "reference_model": full.beta > 0 and run.adapter is None}
+
+
+def rollout_of(client: str, from_file: dict | None, given: dict | None):
+    """The run's `Rollout` (grpo, rloo): the explicit keys over the file's; None for the other clients, which
+    refuse rollout keys in one line."""
+    from pipeline.training.rollout import Rollout
+
+    keys = {**(from_file or {}), **{k: v for k, v in (given or {}).items() if v is not None}}
+    if client not in ROLLOUT_CLIENTS:
+        if keys:
+            raise UserError(f"{', '.join(sorted(keys))}: GRPO's and RLOO's settings (--client grpo or rloo), not the "
+                            f"{client} client's")
+        return None
+    return Rollout.of(keys, f"{client} settings", client)
 
 
 def with_deepspeed(from_file: dict, source, sharding) -> dict:
@@ -143,7 +174,9 @@ RUN_OPTIONS = ("alloc_conf", "batch", "seq", "precision", "optimizer", "checkpoi
                "expandable_segments",
                "client", "optim", "gradient_accumulation", "training_args", "num_gpus", "sharding", "liger_kernel",
                "completion_share", "sft_config", "weights_dtype", "shard_group", "tensor_parallel", "accelerate_config",
-               "deepspeed")
+               "deepspeed", "rollout", "grpo_config")
+ROLLOUT_OPTIONS = ("num_generations", "max_completion_length", "beta", "use_vllm", "vllm_mode",
+                   "vllm_gpu_memory_utilization")
 
 
 def prepared(what: dict, options: dict, method, coefficients, dev: Device | None) -> tuple:
@@ -157,6 +190,7 @@ def prepared(what: dict, options: dict, method, coefficients, dev: Device | None
     what["model"], notes = model_of_file(what["model"], what["config"], what["params"], options.get("sft_config"))
     adapter = adapter_from_options(*(options.get(k) for k in ("lora_r", "lora_alpha", "lora_targets", "quantization",
                                                               "peft_config")))
+    options = {**options, "rollout": {k: options[k] for k in ROLLOUT_OPTIONS if options.get(k) is not None}}
     run, file_notes = make_run(**{k: options[k] for k in RUN_OPTIONS if k in options}, adapter=adapter,
                                declared_dtype=lambda: declared_weights_dtype(what["model"], what["config"]))
     method = default_method(run) if method is None else method
@@ -169,7 +203,7 @@ def prepared(what: dict, options: dict, method, coefficients, dev: Device | None
 def default_method(run: Run) -> str:
     """The method of a question that names none: exact for DeepSpeed's ZeRO (it runs DeepSpeed's code; the
     closed forms refuse it), else the heuristic."""
-    return "exact" if run.deepspeed is not None else "heuristic"
+    return "exact" if run.deepspeed is not None or run.client in ROLLOUT_CLIENTS else "heuristic"
 
 
 def estimate(model=None, config=None, params=None, *, batch=None, seq=None, precision=None, optimizer=None,
@@ -178,7 +212,9 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
              gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
              lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
              completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
-             accelerate_config=None, deepspeed=None, alloc_conf=None) -> dict:
+             accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
+             max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None, vllm_gpu_memory_utilization=None,
+             grpo_config=None) -> dict:
     """Peak memory of a training step at (batch, seq), with its components (bytes).
 
     Give one of `model` (registry or Hub id), `config` (config.json path, its dict, or a
@@ -216,8 +252,15 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
     is the sharding; the `deepspeed` key of a training file or an accelerate config's deepspeed_config likewise),
     answered by the exact method, which runs DeepSpeed's code.
 
-    `method`: blog, heuristic, formula or exact; None: heuristic, or exact for DeepSpeed (the closed forms do
-    not model ZeRO's buffers).
+    Online RL (exact method only): TRL's GRPOTrainer (`client="grpo"`) and RLOOTrainer (`client="rloo"`), with
+    generation by transformers' `generate` in the step: `batch` completions per micro-batch (TRL's
+    per_device_train_batch_size), `seq` the prompt's length in tokens, `num_generations` completions per prompt,
+    `max_completion_length` tokens each (every completion runs to it: the worst case), `beta` > 0 a reference
+    model; `grpo_config` a GRPOConfig / RLOOConfig file (YAML or JSON) as `sft_config`. The answer's
+    `peak_phase` says where the peak falls: generation, log-probs, forward, backward or optimizer.
+
+    `method`: blog, heuristic, formula or exact; None: heuristic, or exact for DeepSpeed and the online RL
+    clients (the closed forms model neither).
     """
     options = dict(locals())
     dev = gpu_of(gpu, gpu_memory_gib)
@@ -247,6 +290,7 @@ def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = 
               **run.layout.columns(),
               "adapter": None if run.adapter is None else run.adapter.columns(),
               "liger_kernel": run.liger_kernel, "completion_share": run.completion_share,
+              **({"rollout": rollout_columns(run)} if run.rollout is not None else {}),
               "checkpointing": run.checkpointing, "expandable_segments": run.expandable_segments,
               **estimated.details, "components": estimated.components, "peak_formula": estimator.peak_formula,
               "peak_bytes": peak, "peak_gib": peak / GIB,
@@ -271,7 +315,9 @@ def max_batch_size(model=None, config=None, params=None, *, seq=None, precision=
                    gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
                    lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
                    completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
-                   accelerate_config=None, deepspeed=None, alloc_conf=None) -> int:
+                   accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
+                   max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None,
+                   vllm_gpu_memory_utilization=None, grpo_config=None) -> int:
     """The largest batch that fits the GPU at sequence length `seq` (0: none), by the fit verdict;
     the options are `estimate`'s."""
     options = dict(locals(), batch=1)
@@ -286,7 +332,9 @@ def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=N
                 gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
                 lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
                 completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
-                accelerate_config=None, deepspeed=None, alloc_conf=None) -> int:
+                accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
+                max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None,
+                vllm_gpu_memory_utilization=None, grpo_config=None) -> int:
     """The longest sequence that fits the GPU at batch size `batch` (0: none), by the fit verdict,
     at most the model's context length when its config gives one; the options are `estimate`'s."""
     options = dict(locals(), seq=1)
@@ -317,7 +365,8 @@ def layouts(model=None, config=None, params=None, *, batch=None, seq=None, preci
             gradient_accumulation=None, training_args=None, num_gpus=None, lora_r=None, lora_alpha=None,
             lora_targets=None, quantization=None, peft_config=None, liger_kernel=None, completion_share=None,
             sft_config=None, weights_dtype=None, accelerate_config=None, min_gpus=False, deepspeed=None,
-            alloc_conf=None) -> dict:
+            alloc_conf=None, num_generations=None, max_completion_length=None, beta=None, use_vllm=None,
+            vllm_mode=None, vllm_gpu_memory_utilization=None, grpo_config=None) -> dict:
     """The layouts that fit a GPU: a table of layouts (ddp, fsdp, fsdp-no-reshard; the loop also hsdp across nodes
     and tensor parallelism within one) for N = 1, 2, 4, ... up to `num_gpus` (default 8), each with its per-GPU
     peak, reserved bytes and verdict; with `min_gpus` the fewest GPUs that fit (doubling up to `num_gpus`, default

@@ -58,6 +58,7 @@ def add_cli(subparsers) -> None:
                         help="the share of positions that carry a label, in (0, 1] (sft: completion_only_loss on "
                              "prompt-completion data; default 1)")
     add_adapter_arguments(parser)
+    add_rollout_arguments(parser)
     parser.add_argument("--num-gpus", type=positive_int, default=None, metavar="N",
                         help="GPUs of the run (with --sharding; --batch is per data-parallel rank)")
     parser.add_argument("--sharding", choices=SHARDINGS, default=None,
@@ -99,6 +100,25 @@ def add_cli(subparsers) -> None:
     parser.set_defaults(handler=_estimate_command)
 
 
+def add_rollout_arguments(parser) -> None:
+    """GRPO's and RLOO's options (--client grpo | rloo), by their GRPOConfig names."""
+    from pipeline.core.arguments import positive_int
+
+    group = parser.add_argument_group("online RL (--client grpo | rloo; exact method)")
+    group.add_argument("--num-generations", type=positive_int, default=None, metavar="G",
+                       help="completions per prompt (TRL's default: grpo 8, rloo 2)")
+    group.add_argument("--max-completion-length", type=positive_int, default=None, metavar="C",
+                       help="tokens per completion (default 512); --seq is the prompt's length")
+    group.add_argument("--beta", type=float, default=None,
+                       help="the KL coefficient: above 0 a reference model (default: grpo 0.0, rloo 0.05)")
+    group.add_argument("--use-vllm", action="store_true", default=None, help="generation by vLLM (not simulated yet)")
+    group.add_argument("--vllm-mode", choices=("colocate", "server"), default=None)
+    group.add_argument("--vllm-gpu-memory-utilization", type=float, default=None, metavar="U")
+    group.add_argument("--grpo-config", default=None, metavar="FILE",
+                       help="a GRPOConfig / RLOOConfig file (YAML or JSON, as `trl grpo --config`): batch, "
+                            "accumulation, bf16/fp16, checkpointing, optim, LoRA and the rollout keys")
+
+
 def share(text: str) -> float:
     """--completion-share: a number in (0, 1]."""
     try:
@@ -117,6 +137,8 @@ def _estimate_command(args) -> int:
         "--min-gpus" if args.min_gpus else "--layouts" if args.layouts else None
     if searching and args.gpu is None and args.gpu_memory is None:
         raise UserError(f"{searching} needs --gpu NAME or --gpu-memory GIB")
+    if args.grpo_config is not None and args.client is None:
+        args.client = "grpo"
     if args.seq is None and not args.max_seq_len and args.sft_config is None:
         raise UserError("--seq L is required (unless --max-seq-len, or an --sft-config with max_length)")
     if args.model is None and args.config is None and args.params is None and args.sft_config is None:
@@ -179,7 +201,8 @@ def adapter_text(adapter: dict) -> str:
 
 
 def human_summary(result: dict) -> str:
-    client = {"trainer": "Trainer", "sft": "SFTTrainer", "dpo": "DPOTrainer"}.get(result["client"])
+    client = {"trainer": "Trainer", "sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer",
+              "rloo": "RLOOTrainer"}.get(result["client"])
     optimizer = result["optimizer"] if client is None else f"{client}, {result['optim']}"
     optimizer += ", Liger" if result["liger_kernel"] else ""
     optimizer += f", {result['completion_share']:g} of positions labelled" if result["completion_share"] != 1 else ""
@@ -189,6 +212,14 @@ def human_summary(result: dict) -> str:
              + (f", K={accumulation}" if accumulation > 1 else "") + (", checkpointing" if result["checkpointing"] else "")
              + (f", one GPU of {layout_text(result)}" if result["num_gpus"] > 1 else "")
              + (adapter_text(result["adapter"]) if result["adapter"] else "")]
+    if result.get("rollout"):
+        r = result["rollout"]
+        lines.append(f"  {r['num_generations']} completions per prompt of {r['max_completion_length']} tokens "
+                     f"(prompts of {result['seq_len']}), beta {r['beta']:g}"
+                     + (", a reference model" if r["reference_model"] else ""))
+    if result.get("phase_peaks") and result["client"] in ("grpo", "rloo"):
+        lines.append("  peak in " + result["peak_phase"] + "; by phase: " + ", ".join(
+            f"{phase} {value / GIB:.2f}" for phase, value in result["phase_peaks"].items()) + " GiB")
     for name, value in (result["components"] or {}).items():
         lines.append(f"  {name:<24} {value / GIB:10.2f} GiB")
     lines.append(f"  {'peak reserved':<24} {result['peak_reserved_bytes'] / GIB:10.2f} GiB (the allocator's segments)")

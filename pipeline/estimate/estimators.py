@@ -16,7 +16,7 @@ from pipeline.formulas.components import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTE
 # reserved bytes are its peak plus at most one partly used page of each.
 EXPANDABLE_SLACK = (20 + 2) << 20
 # Clients only the simulator answers: DPO's policy, reference and paired batches have no closed form.
-EXACT_ONLY_CLIENTS = ("dpo",)
+EXACT_ONLY_CLIENTS = ("dpo", "grpo", "rloo")
 
 
 class Estimator:
@@ -206,10 +206,12 @@ class ExactEstimator(Estimator):
                      if run.sharding else "trainer_peak (transformers.Trainer run on the meta device)"
                      if run.client == "trainer" else "sft_peak (TRL's SFTTrainer run on the meta device)"
                      if run.client == "sft" else "dpo_peak (TRL's DPOTrainer and its reference model run on the "
-                     "meta device)" if run.client == "dpo" else "loop_peak")
+                     "meta device)" if run.client == "dpo" else "rollout_peak (TRL's GRPOTrainer / RLOOTrainer, "
+                     "generation included, run on the meta device)" if run.client in ("grpo", "rloo") else "loop_peak")
         return Estimate(simulated.peak_bytes, simulated.components, {
             "activations_per_token": None, "activations_per_token_unit": None,
             "peak_phase": simulated.details.get("peak_phase"),
+            **({"phase_peaks": simulated.details["phase_peaks"]} if run.client in ("grpo", "rloo") else {}),
             "notes": [f"simulated by pipeline.simulate.{simulator} (reserved: the caching allocator's "
                       "segments replayed)"],
             # ZeRO-Offload: the host memory per process (not in the GPU's verdict)

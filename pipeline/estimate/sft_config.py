@@ -45,23 +45,35 @@ UNMODELLED = {
 }
 
 
-def read_sft_config(source) -> dict:
+# GRPOConfig / RLOOConfig keys of the rollout (`training.rollout.Rollout`)
+ROLLOUT_KEYS = ("num_generations", "max_completion_length", "beta", "steps_per_generation", "num_iterations",
+                "loss_type", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")
+
+
+def read_sft_config(source, client: str = "sft") -> dict:
     """The run settings of a TRL SFT config file (path) or dict: client sft, batch, seq, gradient_accumulation,
     autocast (bf16 | fp16), checkpointing, optim, liger_kernel, adapter (LoRA / QLoRA or None), weights
-    (bf16 | fp32 | None: the model's own, dtype auto), model, and notes."""
+    (bf16 | fp32 | None: the model's own, dtype auto), model, and notes. `client` grpo or rloo: a GRPOConfig /
+    RLOOConfig file, the same keys but the length (the prompt's is --seq), and its rollout keys
+    (`training.rollout.Rollout`) as `rollout`."""
     from pipeline.training.adapters import AdapterSpec
     from pipeline.training.hyperparameters import Hyperparameters
 
-    args, label = _load(source)
+    args, label = _load(source, f"{client} config")
+    rollout = None
+    if client in ("grpo", "rloo"):
+        rollout = {k: args[k] for k in ROLLOUT_KEYS if k in args}
+        args = {k: v for k, v in args.items() if k not in ROLLOUT_KEYS and k != "max_length"}
     for key in FLAGS:
         check_flag(args, key, label)
     fp16 = bool(args.get("fp16"))
     bf16 = (not fp16) if args.get("bf16") is None else args["bf16"]
     if bf16 and fp16:
         raise UserError(f"{label}: bf16 and fp16 are both true")
-    notes = [f"sft config: {what} is not modelled" for key, what in UNMODELLED.items()
+    notes = [f"{label}: {what} is not modelled" for key, what in UNMODELLED.items()
              if args.get(key) not in (None, False, "", [], {})]
-    seq = positive_int_option(args, "max_length", source) if "max_length" in args else MAX_LENGTH_DEFAULT
+    seq = positive_int_option(args, "max_length", source) if "max_length" in args else \
+        MAX_LENGTH_DEFAULT if rollout is None else None
     if "max_length" in args and args["max_length"] is None:
         notes.append("sft config: max_length is null (no truncation): the sequence length is --seq's")
     adapter = None
@@ -87,35 +99,42 @@ def read_sft_config(source) -> dict:
     model = args.get("model_name_or_path")
     if model is not None and not isinstance(model, str):
         raise UserError(f"{label}: model_name_or_path must be a model id, not {model!r}")
-    settings = {"client": "sft", "batch": positive_int_option(args, "per_device_train_batch_size", source),
+    settings = {"client": client, "batch": positive_int_option(args, "per_device_train_batch_size", source),
                 "seq": seq, "gradient_accumulation": positive_int_option(args, "gradient_accumulation_steps", source),
                 "autocast": "bf16" if bf16 else "fp16" if fp16 else None,
                 "checkpointing": args.get("gradient_checkpointing", True),
                 "optim": optim_name(args.get("optim")), "liger_kernel": bool(args.get("use_liger_kernel", False)),
                 "adapter": adapter, "weights": weights, "model": model, "notes": notes,
                 "hyperparameters": Hyperparameters.of(args, label)}
+    if rollout is not None:
+        settings["rollout"] = rollout
     with_fsdp(settings, args, label)
     return settings
 
 
-def _load(source) -> tuple[dict, str]:
+def _load(source, label: str = "sft config") -> tuple[dict, str]:
     from pipeline.core.io import check_depth, parse_yaml
 
     if isinstance(source, dict):
-        check_depth(source, "sft config")
-        return source, "sft config"
+        check_depth(source, label)
+        return source, label
     if not isinstance(source, (str, Path)):
-        raise UserError(f"sft_config must be a path of a YAML or JSON file or its dict, not {type(source).__name__}")
+        raise UserError(f"{label.replace(' ', '_')} must be a path of a YAML or JSON file or its dict, not "
+                        f"{type(source).__name__}")
     path = Path(source)
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise UserError(f"{path}: sft config not found") from None
+        raise UserError(f"{path}: {label} not found") from None
     except (OSError, UnicodeDecodeError):
-        raise UserError(f"{path}: sft config cannot be read") from None
-    data = parse_yaml(text, str(path), "not YAML or JSON (an SFT config as `trl sft --config` takes)")
+        raise UserError(f"{path}: {label} cannot be read") from None
+    kind = label.split()[0].upper()
+    article = "a" if kind == "GRPO" else "an"
+    data = parse_yaml(text, str(path), f"not YAML or JSON ({article} {kind} config as `trl {kind.lower()} --config` "
+                                       "takes)")
     if not isinstance(data, dict):
-        raise UserError(f"{path}: not an SFT config (a mapping of SFTConfig / ModelConfig options is expected)")
+        raise UserError(f"{path}: not {article} {kind} config (a mapping of {kind}Config / ModelConfig options is "
+                        "expected)")
     return data, str(path)
 
 

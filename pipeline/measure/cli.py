@@ -35,6 +35,9 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--liger-kernel", action="store_true", help="Liger's kernels (trainer, sft)")
     parser.add_argument("--completion-share", type=float, default=1.0, metavar="S",
                         help="the share of positions with a label (sft; default 1)")
+    parser.add_argument("--rollout", default=None, metavar="JSON",
+                        help="grpo, rloo: the rollout's GRPOConfig keys as JSON (num_generations, "
+                             "max_completion_length, beta, ...); default TRL's")
     parser.add_argument("--attn", choices=ATTENTIONS, default="default")
     parser.add_argument("--variant", choices=VARIANTS, default="standard")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -53,8 +56,16 @@ def _measure_command(args) -> int:
     record = model_record(args.model, args.config, args.configs)
     from pipeline.training.adapters import adapter_from_arguments
 
+    from pipeline.training.rollout import Rollout
+
+    rollout = None
+    if args.rollout is not None:
+        from pipeline.core.io import parse_json
+
+        rollout = Rollout.of(parse_json(args.rollout, "--rollout", "not JSON"), "--rollout", args.client)
     setting = Setting(args.variant, args.optimizer, args.checkpointing, args.client, args.optim,
-                      args.gradient_accumulation, adapter_from_arguments(args), args.liger_kernel, args.completion_share)
+                      args.gradient_accumulation, adapter_from_arguments(args), args.liger_kernel, args.completion_share,
+                      rollout=rollout)
     row = measure(record, args.batch, args.seq, args.precision, setting, args.attn, device, not args.no_tf32)
     if args.json:
         print(json.dumps(row, default=str))

@@ -189,7 +189,8 @@ def base_columns(record: ModelRecord, precision: str, attn: str, setting: Settin
                batch_size=batch, seq_len=seq, tokens=batch * seq * setting.gradient_accumulation,
                config_source=record.config_source,
                config_revision=record.config_revision, child_pid=os.getpid(), **asdict(setting))
-    row.update(setting.adapter_columns(), hyperparameters=setting.hyperparameters.to_text())
+    row.update(setting.adapter_columns(), hyperparameters=setting.hyperparameters.to_text(),
+               rollout=setting.rollout.to_text() if setting.rollout is not None else None)
     return row
 
 

@@ -33,6 +33,9 @@ COLUMN_DTYPES = {
     "trainable_parameters": "Int64",
     # Liger's kernels (use_liger_kernel) and the share of positions with a label (SFTTrainer's completion mask)
     "liger_kernel": "boolean", "completion_share": "float64",
+    # GRPO / RLOO (`training.rollout`): the rollout's keys as JSON (None: TRL's defaults); every phase's peak (JSON:
+    # generation and log-probs beside forward, backward, optimizer); the peak so far after each optimizer step
+    "rollout": "string", "phase_peaks": "string", "step_peaks": "string",
 }
 COLUMNS = tuple(COLUMN_DTYPES)
 

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 from pipeline.training.adapters import AdapterSpec
 from pipeline.training.hyperparameters import Hyperparameters
+from pipeline.training.rollout import Rollout
 from pipeline.core.errors import UserError
 from pipeline.inputs.modeling import vocabulary_size
 from pipeline.core.vocabulary import (CLIENTS, OPTIM_OF_LOOP_OPTIMIZER, OPTIMIZERS, OPTIMS, SHARDINGS, TRAINER_CLIENTS,
                                       ZERO_SHARDINGS,
-                                      TRL_CLIENTS, VARIANTS, check_choice, check_positive_int, precision_mode)
+                                      ROLLOUT_CLIENTS, TRL_CLIENTS, VARIANTS, check_choice, check_positive_int, precision_mode)
 
 STEPS = 3
 BLOG_ID_RANGE = 100  # the blog's ids: torch.randint(0, 100, (B, L))
@@ -65,6 +66,7 @@ class Setting:
     deepspeed: str | None = None  # zero1-3: the DeepSpeed config's JSON text (`training.zero`)
     # the Trainer clients' optimizer and schedule numbers of a training file (`training.hyperparameters`)
     hyperparameters: Hyperparameters = Hyperparameters()
+    rollout: Rollout | None = None  # grpo, rloo: their generation's settings (`training.rollout`)
 
     def __post_init__(self):
         if self.client == "loop":
@@ -74,6 +76,8 @@ class Setting:
                 object.__setattr__(self, "optim", OPTIM_OF_LOOP_OPTIMIZER.get(optimizer))
         elif self.client in TRAINER_CLIENTS and self.optim is None:
             object.__setattr__(self, "optim", TRAINER_DEFAULT_OPTIM)
+        if self.client in ROLLOUT_CLIENTS and self.rollout is None:
+            object.__setattr__(self, "rollout", Rollout())
         share = self.completion_share
         if isinstance(share, int) and not isinstance(share, bool) and 0 < share <= 1:  # 1 is 1.0 (the key's value)
             object.__setattr__(self, "completion_share", float(share))
@@ -88,7 +92,8 @@ class Setting:
                    client, row.get("optim") if client != "loop" else None, row.get("gradient_accumulation") or 1,
                    AdapterSpec.from_row(row), bool(row.get("liger_kernel") or False),
                    1.0 if share is None or share != share else float(share), row.get("sharding") or None,
-                   row.get("deepspeed") or None, Hyperparameters.from_text(row.get("hyperparameters")))
+                   row.get("deepspeed") or None, Hyperparameters.from_text(row.get("hyperparameters")),
+                   Rollout.from_text(row.get("rollout")))
 
     def check(self) -> None:
         check_choice("client", self.client, CLIENTS)
@@ -130,6 +135,9 @@ class Setting:
         if self.hyperparameters != Hyperparameters() and self.client not in TRAINER_CLIENTS:
             raise UserError(f"a training file's optimizer and schedule numbers are the Trainer clients' "
                             f"({', '.join(TRAINER_CLIENTS)}), not the {self.client} client's")
+        if self.rollout is not None and self.client not in ROLLOUT_CLIENTS:
+            raise UserError(f"num_generations, max_completion_length, beta and the rest of a rollout are GRPO's and "
+                            f"RLOO's ({', '.join(ROLLOUT_CLIENTS)}), not the {self.client} client's")
         if self.completion_share != 1.0 and self.client not in TRL_CLIENTS:
             raise UserError(f"completion_share is TRL's trainers' ({', '.join(TRL_CLIENTS)}), not the {self.client} "
                             "client's")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pipeline.core.io import cell
 from pipeline.training.adapters import AdapterSpec
 from pipeline.training.hyperparameters import Hyperparameters
+from pipeline.training.rollout import Rollout
 from pipeline.core.errors import UserError
 from pipeline.formulas.components import optimizer_key
 from pipeline.training.layout import Layout
@@ -57,6 +58,8 @@ class Run:
     # a training file's optimizer and schedule numbers (trainer, sft, dpo): DeepSpeed's "auto" values come from
     # them, and whether its scheduler starts
     hyperparameters: Hyperparameters = Hyperparameters()
+    # grpo, rloo: completions per prompt, their length, beta and the rest (`training.rollout`); None: TRL's defaults
+    rollout: Rollout | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "batch", check_positive_int("batch", self.batch, MAX_BATCH))
@@ -79,6 +82,7 @@ class Run:
         object.__setattr__(self, "optimizer", setting.optimizer)
         object.__setattr__(self, "optim", setting.optim)
         object.__setattr__(self, "completion_share", setting.completion_share)
+        object.__setattr__(self, "rollout", setting.rollout)
         self.check_sharding()
 
     def check_sharding(self) -> None:
@@ -118,7 +122,8 @@ class Run:
         """The run's `pipeline.training.step.Setting` (what the GPU measurement of it runs)."""
         return Setting(self.variant, self.optimizer, self.checkpointing, self.client, self.optim,
                        self.gradient_accumulation, self.adapter, self.liger_kernel, self.completion_share,
-                       None if self.client == "loop" else self.sharding, self.deepspeed, self.hyperparameters)
+                       None if self.client == "loop" else self.sharding, self.deepspeed, self.hyperparameters,
+                       self.rollout)
 
     @property
     def optimizer_key(self) -> str:
@@ -147,7 +152,8 @@ class Run:
                    shard_group=None if cell(row, "shard_group") is None else int(cell(row, "shard_group")),
                    tensor_parallel=int(cell(row, "tensor_parallel") or 1), deepspeed=cell(row, "deepspeed") or None,
                    hyperparameters=Hyperparameters.from_text(cell(row, "hyperparameters")),
-                   expandable_segments=expandable(cell(row, "alloc_conf")))
+                   expandable_segments=expandable(cell(row, "alloc_conf")),
+                   rollout=Rollout.from_text(cell(row, "rollout")))
 
     def with_batch(self, batch: int) -> Run:
         return replace(self, batch=batch)

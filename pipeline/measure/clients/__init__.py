@@ -1,6 +1,7 @@
 """The clients that run a measured point's training steps on an already built model: `loop` (the
 standard step of pipeline.training.step), `trainer` (transformers.Trainer), `sft` (TRL's SFTTrainer) and
-`dpo` (TRL's DPOTrainer; both wrap a point's adapters themselves). One module per client, each with
+`dpo` (TRL's DPOTrainer), `grpo` and `rloo` (TRL's GRPOTrainer and RLOOTrainer; the TRL clients wrap a point's
+adapters themselves). One module per client, each with
 
     unavailable(setting, device) -> str | None   why the point cannot run here (a skipped row), or None
     run_steps(model, setting, precision, batch, seq, device, tracker, use_cache) -> (seconds, state bytes)
@@ -14,9 +15,10 @@ from __future__ import annotations
 import importlib
 
 CLIENT_MODULES = {"loop": "pipeline.measure.clients.loop", "trainer": "pipeline.measure.clients.trainer",
-                  "sft": "pipeline.measure.clients.sft", "dpo": "pipeline.measure.clients.dpo"}
+                  "sft": "pipeline.measure.clients.sft", "dpo": "pipeline.measure.clients.dpo",
+                  "grpo": "pipeline.measure.clients.grpo", "rloo": "pipeline.measure.clients.grpo"}
 # Clients given a point's adapters as a configuration (they wrap the base themselves), not a PeftModel.
-WRAPS_ADAPTERS = ("sft", "dpo")
+WRAPS_ADAPTERS = ("sft", "dpo", "grpo", "rloo")
 # Clients whose imports the sweep's parent may pay once before forking. Importing transformers'
 # Trainer initialised CUDA in the parent on the H100 machine (with bitsandbytes importable), which
 # makes forked children unusable: each trainer child imports it itself.

@@ -63,9 +63,11 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
     return train_trl(model, setting, device, tracker, make_trainer, "avp-sft-")
 
 
-def train_trl(model, setting: Setting, device: str, tracker: PhaseTracker, make_trainer, prefix: str):
+def train_trl(model, setting: Setting, device: str, tracker: PhaseTracker, make_trainer, prefix: str,
+              grad_only_hooks: bool = False):
     """A TRL trainer's train() (the sft and dpo clients) through `trainer.train_phased`: `make_trainer(output_dir,
-    times, extra)` builds it on `model` (`extra`: use_cpu on a CPU). Afterwards the model is as it was."""
+    times, extra)` builds it on `model` (`extra`: use_cpu on a CPU). Afterwards the model is as it was.
+    `grad_only_hooks`: forward and backward are the forwards with grad enabled (GRPO generates under no_grad)."""
     import datasets
 
     from pipeline.training.sharding import sharding_arguments
@@ -74,4 +76,4 @@ def train_trl(model, setting: Setting, device: str, tracker: PhaseTracker, make_
     extra = {"use_cpu": True} if device == "cpu" else {}
     extra.update(sharding_arguments(setting, model))
     return train_phased(model, setting, device, tracker, lambda output_dir, times: make_trainer(output_dir, times, extra),
-                        prefix, lambda built: set_training_mode(built, Setting()))
+                        prefix, lambda built: set_training_mode(built, Setting()), grad_only_hooks)

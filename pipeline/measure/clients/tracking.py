@@ -92,8 +92,13 @@ class PhaseTracker:
         self.stop()
 
     def columns(self) -> dict:
+        """The row's peak columns; `phase_peaks` every phase's (JSON), lists of `extra` as JSON."""
+        import json
+
         peak = max(self.peaks.values()) if self.peaks else None
+        extra = {k: json.dumps(v) if isinstance(v, list) else v for k, v in self.extra.items()}
         return {"peak_allocated_bytes": peak, "peak_reserved_bytes": self.reserved,
                 "forward_peak_bytes": self.peaks.get("forward"),
                 "backward_peak_bytes": self.peaks.get("backward"),
-                "optimizer_peak_bytes": self.peaks.get("optimizer"), **self.extra}
+                "optimizer_peak_bytes": self.peaks.get("optimizer"),
+                "phase_peaks": json.dumps(self.peaks) if self.peaks else None, **extra}

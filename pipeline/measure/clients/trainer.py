@@ -126,7 +126,7 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
 
 
 def train_phased(model, setting: Setting, device: str, tracker: PhaseTracker, make_trainer, prefix: str,
-                 restore_model):
+                 restore_model, grad_only_hooks: bool = False):
     """A trainer's train() (the trainer, sft and dpo clients): `make_trainer(output_dir, times)` builds it on
     `model` under Liger's patches when asked; phases from hooks on the model it trains; returns (seconds per
     step, optimizer-state bytes). A trainer that wraps adapters itself (TRL's peft_config) puts the trained
@@ -140,8 +140,8 @@ def train_phased(model, setting: Setting, device: str, tracker: PhaseTracker, ma
         with tempfile.TemporaryDirectory(prefix=prefix) as output_dir, LigerPatches(model):
             trainer = make_trainer(output_dir, times)
             trained = trainer.model
-            hooks = [trained.register_forward_pre_hook(lambda *_: tracker.start("forward")),
-                     trained.register_forward_hook(lambda *_: tracker.start("backward"))]
+            hooks = [trained.register_forward_pre_hook(phase_hook(tracker, "forward", grad_only_hooks)),
+                     trained.register_forward_hook(phase_hook(tracker, "backward", grad_only_hooks))]
             if setting.adapter is not None and trained is not model:
                 tracker.extra["trainable_parameters"] = trainable_parameters(trained)
             tracker.start("setup")
@@ -156,6 +156,17 @@ def train_phased(model, setting: Setting, device: str, tracker: PhaseTracker, ma
         trainer = None
         restore_model(model)
         gc.collect()  # the trainer's reference cycles hold the optimizer, its state (and DPO's reference model)
+
+
+def phase_hook(tracker: PhaseTracker, phase: str, grad_only: bool):
+    """A hook starting `phase` (`grad_only`: only for a forward with grad enabled)."""
+    import torch
+
+    def hook(*_):
+        if not grad_only or torch.is_grad_enabled():
+            tracker.start(phase)
+
+    return hook
 
 
 def restore(model) -> None:

@@ -38,11 +38,13 @@ def sft_peak(config, run: Run) -> Estimate:
         model, setting, run.precision, run.batch, run.seq, "meta"))
 
 
-def trl_peak(config, run: Run, client: str, unavailable, step_run, make_trainer) -> Estimate:
+def trl_peak(config, run: Run, client: str, unavailable, step_run, make_trainer, host_values: bool = False,
+             stand_ins: dict | None = None) -> Estimate:
     """The TRL clients' simulation (`sft_peak`, `dpo_peak`): `run` checked (`unavailable()`: why the client
     cannot run here, or None), the base built in the precision's dtype (4-bit under QLoRA) and handed to
     `make_trainer(model, setting, trace)`, in the trace for a process's first point (`predict.run_model`),
-    then `step_run(trainer, seq, precision, checkpointing, "meta")` run as the Trainer's loop."""
+    then `step_run(trainer, seq, precision, checkpointing, "meta")` run as the Trainer's loop (`host_values`,
+    `stand_ins`: the trace's, `trainer_trace`)."""
     from pipeline.core.errors import UserError
     from pipeline.simulate.adapters import check_adapter, fresh_base_model, loaded_from_checkpoint
     from pipeline.simulate.clients.trainer import trainer_trace
@@ -61,7 +63,8 @@ def trl_peak(config, run: Run, client: str, unavailable, step_run, make_trainer)
     if run.adapter is not None:
         check_adapter(run.adapter, "standard")
     setting = run.setting
-    trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process)
+    trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process, more_stand_ins=stand_ins,
+                          host_values=host_values)
 
     quantization = run.adapter.quantization if run.adapter else None
 

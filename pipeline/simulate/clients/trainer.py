@@ -137,7 +137,7 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
 
         import_liger()
     try:
-        with cuda_paths(rules, trl=run.fused_head, liger=run.liger), trace, fused_on(device_type):
+        with cuda_paths(rules, trl=run.fused_head, liger=run.liger), trace, fused_on(device_type), run.context():
             with refusals_are_crashes():
                 run.setup()
             for _ in range(steps):
@@ -147,7 +147,7 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
     finally:
         run.close()
     peaks = tracker.peaks
-    phase_peaks = {phase: peaks[phase].total for phase in PHASES if phase in peaks}
+    phase_peaks = {phase: peaks[phase].total for phase in run.phases if phase in peaks}
     top = max(phase_peaks, key=phase_peaks.get)
     components = dict(peaks[top].parts)
     result = {"peak_bytes": peaks["total"].total, "components": components, "peak_phase": top,
@@ -161,16 +161,17 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
 
 
 def trainer_trace(device_type: str = "meta", reserve_limit: int | None = None, warm: bool = True, tracker_class=None,
-                  more_stand_ins: dict | None = None):
+                  more_stand_ins: dict | None = None, host_values: bool = False):
     """The Trace a Trainer client runs in: host shadows as its observer (on meta), the engine's in-place
     gradient accumulation, the CPU's `addmm(out_dtype=...)`; phases and roles marked by the run. On several
-    GPUs the several-GPU wing's tracker (`tracker_class`) and stand-ins (`more_stand_ins`)."""
+    GPUs the several-GPU wing's tracker (`tracker_class`) and stand-ins (`more_stand_ins`); `host_values`: small
+    tensors made from host values carry them (`Shadows`)."""
     from pipeline.simulate.kernels.accumulation import accumulation_stand_ins
     from pipeline.simulate.kernels.paths import out_dtype_addmm_stand_ins
     from pipeline.simulate.values.shadows import Shadows, shadow_stand_ins
     from pipeline.simulate.trace import Trace
 
-    shadows = Shadows() if device_type == "meta" else None
+    shadows = Shadows(host_values) if device_type == "meta" else None
     stand_ins = shadow_stand_ins(shadows) if shadows is not None else {}
     stand_ins.update(accumulation_stand_ins())  # on a real CPU run too: it is the engine's rule, not the device's
     stand_ins.update(out_dtype_addmm_stand_ins())
@@ -198,6 +199,7 @@ class TrainerRun:
     its loop (`Trainer._run_epoch`), step by step. A subclass changes where the micro-batches come from."""
 
     fused_head = False  # TRL's fused LM head (SFTTrainer)
+    phases = PHASES
 
     def __init__(self, trainer, seq_len: int, precision: str, gradient_checkpointing: bool, device_type: str):
         self.trainer, self.model = trainer, trainer.model
@@ -226,6 +228,10 @@ class TrainerRun:
         self.rules, self.tracker = rules, tracker
         self.hooks = [model.register_forward_pre_hook(lambda *_: tracker.start_phase("forward", "activations")),
                       model.register_forward_hook(lambda *_: tracker.start_phase("backward", "activations"))]
+
+    def context(self):
+        """What the run's steps run in besides the trace (a subclass's stand-ins)."""
+        return contextlib.nullcontext()
 
     def setup(self) -> None:
         """The start of `Trainer.train()` (Liger's kernels), `_prepare_for_training` and the start of

@@ -25,6 +25,7 @@ import torch
 from pipeline.simulate.values.stand_ins import UniformValues
 
 SHADOW_LIMIT = 1 << 22  # elements: only index- and mask-sized tensors get host shadows
+UNDEFINED_VALUES = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
 
 
 def _tensors(value):
@@ -68,14 +69,24 @@ class Shadows:
     """The tracker's observer: `UniformValues`, then host shadows propagated through every op whose meta
     inputs all have one (see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self, host_values: bool = False):
         self.uniform = UniformValues()
         self.unknown = []  # (dtype or "equal", shape) of the questions answered without a value
+        # also the small tensors made on the device from host values or constants (`torch.tensor(...,
+        # device=...)`, `.to(device)` of a host tensor, `torch.ones`, `torch.full`, `torch.arange`): generation's
+        # token ids and stopping flags (`pipeline.simulate.clients.grpo`)
+        self.host_values = host_values
 
     def __call__(self, func, args, kwargs, out):
         self.uniform(func, args, kwargs, out)
         inputs = [t for t in _tensors(list(args) + list(kwargs.values())) if t.device.type == "meta"]
         if not inputs:
+            if self.host_values and func._opname not in UNDEFINED_VALUES and any(
+                    t.device.type == "meta" and t.numel() <= SHADOW_LIMIT for t in _tensors(out)):
+                try:
+                    attach(out, func(*on_host(args), **{k: on_host(v) for k, v in kwargs.items()}))
+                except Exception:  # noqa: BLE001 - an op the host cannot run: no shadow
+                    pass
             return
         if all(hasattr(t, "_shadow") for t in inputs) and all(t.numel() <= SHADOW_LIMIT for t in inputs):
             try:
@@ -163,5 +174,11 @@ def shadow_stand_ins(shadows: Shadows) -> dict:
         shadows.unknown.append(("equal", tuple(args[0].shape)))
         return False
 
-    return {aten.equal.default: equal, aten._local_scalar_dense.default: item, aten.is_nonzero.default: item,
+    def to_host(func, args, kwargs):
+        t, device = args[0], kwargs.get("device")
+        if t.device.type != "meta" or device is None or torch.device(device).type == "meta":
+            return func(*args, **kwargs)
+        return func(_shadow_of(t), *args[1:], **kwargs)  # `.cpu()` of token ids: their host values
+
+    return {aten._to_copy.default: to_host, aten.equal.default: equal, aten._local_scalar_dense.default: item, aten.is_nonzero.default: item,
             aten.nonzero.default: nonzero, aten.index.Tensor: index, aten.masked_select.default: masked_select}

@@ -1,0 +1,187 @@
+"""`rollout_peak`: the peak memory of `client = grpo | rloo` (TRL's GRPOTrainer / RLOOTrainer,
+`pipeline.training.grpo`; the GPU run is `pipeline.measure.clients.grpo`) on meta tensors.
+
+The real trainer is built (its prompt dataset, PEFT's wrapping, the reference model when beta > 0 and no
+adapters, the fused LM head of the log-prob passes) and its training steps run in the order
+`pipeline.simulate.clients.trainer.TrainerRun` runs transformers.Trainer's loop: at the first micro-batch of a
+generation, `_generate_and_score_completions` (transformers' `generate` with its KV cache over the generation
+batch, the rewards, the reference's and, with num_iterations > 1, the old policy's log-probs under no_grad), then
+each micro-batch's `compute_loss` and backward, the optimizer. What differs from a CUDA run, besides the SFTTrainer
+simulator's stand-ins (`pipeline.simulate.clients.sft`):
+
+- the sampler: `torch.multinomial` (and `argmax` for greedy decoding) draws token `training.grpo.TOKEN` for every
+  sequence, a host value the meta output carries; the real run's tokenizer has its end-of-sequence word outside
+  the model's vocabulary, so both run every completion to max_completion_length;
+- small tensors made from host values (`torch.tensor(ids, device=...)`, `torch.ones`, `torch.full`) carry them
+  (`Shadows(host_values=True)`): the token ids, the stopping flags, the completion masks are known exactly, and
+  `.cpu()` of the completions answers with them, so TRL decodes them, scores them with the reward function and
+  pads them as on a GPU;
+- `accelerator.device` is the simulated device (TRL places its tensors there);
+- the reference model is built from the policy's config (`training.grpo.ReferenceBuilt`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.simulate.clients.sft import SFTRun, trl_peak
+from pipeline.training.step import Setting
+from pipeline.training.values import Estimate, Run
+
+PHASES = ("setup", "generation", "log-probs", "forward", "backward", "optimizer")
+
+
+def rollout_peak(config, run: Run) -> Estimate:
+    """GRPOTrainer's (RLOOTrainer's) `train()` for three optimizer steps of `run.gradient_accumulation` micro-batches
+    of `run.batch` completions of prompts of `run.seq` tokens, `run.rollout` as their config has it, on meta
+    tensors; answered as `loop_peak` answers, with the phase of the peak among generation, log-probs, forward,
+    backward and optimizer."""
+    from pipeline.core.errors import UserError
+    from pipeline.training.grpo import check, unavailable
+
+    if run.rollout is not None and run.rollout.use_vllm:
+        raise UserError("use_vllm: vLLM's generation is not simulated yet; leave use_vllm off (transformers' "
+                        "generate, TRL's default)")
+    check(run.client, run.rollout, run.batch, run.gradient_accumulation)
+
+    def make_trainer(model, setting, trace):
+        return meta_rollout_trainer(model, setting, run.precision, run.batch, run.seq, "meta", trace.rules)
+
+    return trl_peak(config, run, run.client, lambda: unavailable(run.client), RolloutRun, make_trainer,
+                    host_values=True, stand_ins=sampler_stand_ins())
+
+
+def meta_rollout_trainer(model, setting: Setting, precision: str, batch: int, seq: int, device_type: str, rules):
+    """GRPOTrainer / RLOOTrainer with `training.grpo.rollout_arguments` for the simulated device, the model left
+    where it is, its tensors placed on `device_type`."""
+    import tempfile
+
+    import datasets
+
+    from pipeline.inputs.modeling import vocabulary_size
+    from pipeline.simulate.clients.dpo import references_prepared
+    from pipeline.simulate.clients.parts import device_arguments, on_simulated_device, simulated_on
+    from pipeline.training.grpo import (ReferenceBuilt, config_class, dataset_prompts, eos_out_of_reach,
+                                        length_reward, prompt_dataset, rollout_arguments, tokenizer, trainer_class)
+    from pipeline.training.sft import peft_config
+
+    MetaTrainer, MetaConfig = on_simulated_device(trainer_class(setting.client), config_class(setting.client))
+    datasets.disable_progress_bars()
+    vocab = vocabulary_size(model)
+    eos_out_of_reach(model, vocab)
+    args = rollout_arguments(setting, precision, batch, tempfile.mkdtemp(prefix=f"avp-sim{setting.client}-"),
+                             MetaConfig, **device_arguments(setting, model))
+    with ReferenceBuilt(model, device_type), references_prepared(rules, precision):
+        trainer = MetaTrainer(model=model, reward_funcs=length_reward, args=args, processing_class=tokenizer(vocab),
+                              train_dataset=prompt_dataset(vocab, dataset_prompts(setting, batch), seq),
+                              peft_config=peft_config(setting))
+    simulated_on(trainer, device_type, setting)
+    on_device(trainer.accelerator, device_type)
+    return trainer
+
+
+def on_device(accelerator, device_type: str) -> None:
+    """`accelerator.device` is `device_type` (the accelerator itself runs on the CPU)."""
+    if device_type != "meta":
+        return
+    device = torch.device(device_type)
+    base = type(accelerator)
+    accelerator.__class__ = type(f"Meta{base.__name__}", (base,), {"device": property(lambda self: device)})
+
+
+def sampler_stand_ins() -> dict:
+    """`torch.multinomial` and `torch.argmax` over a meta vocabulary: every row draws `training.grpo.TOKEN`, a host
+    value its meta output carries (the allocation is the kernel's own)."""
+    from pipeline.training.grpo import TOKEN
+
+    aten = torch.ops.aten
+
+    def drawn(func, args, kwargs):
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.device.type == "meta" and out.dtype == torch.long:
+            out._shadow = torch.full(out.shape, TOKEN, dtype=torch.long)
+        return out
+
+    return {aten.multinomial.default: drawn, aten.argmax.default: drawn}
+
+
+class HostTensors(torch.overrides.TorchFunctionMode):
+    """`torch.tensor(data, device=meta)` as a host tensor copied to the device: the copy is counted, as CUDA
+    allocates it, and carries its host values (on meta the tensor would be made without any dispatch)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if func is torch.tensor and device is not None and torch.device(device).type == "meta":
+            host = func(*args, **{k: v for k, v in kwargs.items() if k != "device"})
+            return host.to(device)
+        return func(*args, **kwargs)
+
+
+class RolloutRun(SFTRun):
+    """`TrainerRun` with a GRPOTrainer / RLOOTrainer: its micro-batches are its dataloader's generation batches
+    (prompts, each repeated num_generations times), which its `_prepare_inputs` turns into completions once per
+    generation; the phases add generation and the log-prob passes under no_grad."""
+
+    phases = PHASES
+
+    def __init__(self, trainer, seq_len: int, precision: str, gradient_checkpointing: bool, device_type: str):
+        super().__init__(trainer, seq_len, precision, gradient_checkpointing, device_type)
+        self.loader = None
+
+    def models(self) -> list:
+        reference = getattr(self.trainer, "ref_model", None)
+        return [self.model] + ([reference] if reference is not None else [])
+
+    def attach(self, rules, tracker) -> None:
+        model, trainer = self.model, self.trainer
+        self.rules, self.tracker = rules, tracker
+
+        def forward_starts(*_):
+            if torch.is_grad_enabled():
+                tracker.start_phase("forward", "activations")
+
+        def forward_ends(*_):
+            if torch.is_grad_enabled():
+                tracker.start_phase("backward", "activations")
+
+        self.hooks = [model.register_forward_pre_hook(forward_starts), model.register_forward_hook(forward_ends)]
+        if self.checkpointing:  # generation switches checkpointing off and on again: a new checkpoint function
+            self.hooks.append(model.register_forward_pre_hook(lambda *_: rules.wrap_checkpointing(model)))
+        generate, logps = trainer._generate, trainer._get_per_token_logps_and_entropies
+
+        def generating(*args, **kwargs):
+            tracker.start_phase("generation", "activations")
+            return generate(*args, **kwargs)
+
+        def scoring(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                tracker.start_phase("log-probs", "activations")
+            return logps(*args, **kwargs)
+
+        trainer._generate, trainer._get_per_token_logps_and_entropies = generating, scoring
+
+    def context(self):
+        return HostTensors() if self.device_type == "meta" else super().context()
+
+    def setup(self) -> None:
+        super().setup()
+        self.loader = iter(self.trainer.get_train_dataloader())
+
+    def micro_batch(self):
+        """The next generation batch of the trainer's own dataloader (prompts as text, on the host)."""
+        return next(self.loader)
+
+    def close(self) -> None:
+        from pipeline.simulate.clients.parts import restore
+
+        trainer = self.trainer
+        reference = getattr(trainer, "ref_model", None) if trainer is not None else None
+        if trainer is not None:
+            for name in ("_generate", "_get_per_token_logps_and_entropies"):
+                trainer.__dict__.pop(name, None)
+        self.loader = None
+        super().close()
+        if reference is not None:
+            restore(reference, None)
+
