@@ -220,6 +220,11 @@ def human_summary(result: dict) -> str:
     if result.get("phase_peaks") and result["client"] in ("grpo", "rloo"):
         lines.append("  peak in " + result["peak_phase"] + "; by phase: " + ", ".join(
             f"{phase} {value / GIB:.2f}" for phase, value in result["phase_peaks"].items()) + " GiB")
+        steps = result["step_peaks"]
+        first = next(i for i, value in enumerate(steps) if value == steps[-1]) + 1
+        lines.append(f"  the peak is reached at step {first} of {len(steps)}"
+                     + (" (the optimizer state, made at the first step's end, is held from the second on)"
+                        if first > 1 else ""))
     for name, value in (result["components"] or {}).items():
         lines.append(f"  {name:<24} {value / GIB:10.2f} GiB")
     lines.append(f"  {'peak reserved':<24} {result['peak_reserved_bytes'] / GIB:10.2f} GiB (the allocator's segments)")

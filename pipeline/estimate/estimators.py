@@ -211,7 +211,8 @@ class ExactEstimator(Estimator):
         return Estimate(simulated.peak_bytes, simulated.components, {
             "activations_per_token": None, "activations_per_token_unit": None,
             "peak_phase": simulated.details.get("peak_phase"),
-            **({"phase_peaks": simulated.details["phase_peaks"]} if run.client in ("grpo", "rloo") else {}),
+            **({key: simulated.details[key] for key in ("phase_peaks", "step_peaks")}
+               if run.client in ("grpo", "rloo") else {}),
             "notes": [f"simulated by pipeline.simulate.{simulator} (reserved: the caching allocator's "
                       "segments replayed)"],
             # ZeRO-Offload: the host memory per process (not in the GPU's verdict)

@@ -37,12 +37,12 @@ from pipeline.validate.peaks import error_summary, predicted_or_reason
 SETTING_KEY = ("model_id", "precision", "client", "optim", "optimizer", "gradient_accumulation",
                "gradient_checkpointing", "batch_size", "seq_len", "lora_r", "lora_alpha", "lora_targets", "quantization",
                "liger_kernel", "completion_share", "first_in_process", "num_gpus", "sharding", "shard_group",
-               "tensor_parallel", "deepspeed", "hyperparameters", "alloc_conf")
+               "tensor_parallel", "deepspeed", "hyperparameters", "alloc_conf", "rollout")
 ROW_COLUMNS = (*SETTING_KEY, "model_type", "family", "parameters", "status", "device", "split", "setting", "layout",
                "rank")
 # The columns of the several-GPU tables, and what a single-GPU row means by them.
 LAYOUT_DEFAULTS = {"num_gpus": 1, "sharding": None, "shard_group": None, "tensor_parallel": 1, "rank": 0,
-                   "deepspeed": None, "hyperparameters": None, "alloc_conf": None}
+                   "deepspeed": None, "hyperparameters": None, "alloc_conf": None, "rollout": None}
 
 
 def settings_rows(tables: dict):

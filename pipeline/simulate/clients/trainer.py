@@ -140,8 +140,10 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
         with cuda_paths(rules, trl=run.fused_head, liger=run.liger), trace, fused_on(device_type), run.context():
             with refusals_are_crashes():
                 run.setup()
+            step_peaks = []
             for _ in range(steps):
                 run.step()
+                step_peaks.append(tracker.peaks["total"].total)
             tracker.phase = None
         state = run.optimizer_state()
     finally:
@@ -151,7 +153,7 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
     top = max(phase_peaks, key=phase_peaks.get)
     components = dict(peaks[top].parts)
     result = {"peak_bytes": peaks["total"].total, "components": components, "peak_phase": top,
-              "phase_peaks": phase_peaks, "optimizer_state_bytes": state,
+              "phase_peaks": phase_peaks, "step_peaks": step_peaks, "optimizer_state_bytes": state,
               "peak_reserved_bytes": reserved.allocators[0].peak,
               "reserve_limit_exceeded": reserved.allocators[0].out_of_memory,
               "peak_reserved_expandable_bytes": reserved.allocators[1].peak}
