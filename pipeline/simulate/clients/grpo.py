@@ -76,17 +76,30 @@ def meta_rollout_trainer(model, setting: Setting, precision: str, batch: int, se
                               train_dataset=prompt_dataset(vocab, dataset_prompts(setting, batch), seq),
                               peft_config=peft_config(setting))
     simulated_on(trainer, device_type, setting)
-    on_device(trainer.accelerator, device_type)
+    on_device(trainer.accelerator, device_type, rules, precision)
     return trainer
 
 
-def on_device(accelerator, device_type: str) -> None:
-    """`accelerator.device` is `device_type` (the accelerator itself runs on the CPU)."""
-    if device_type != "meta":
-        return
-    device = torch.device(device_type)
+def on_device(accelerator, device_type: str, rules, precision: str) -> None:
+    """`accelerator.device` is `device_type` on meta (the accelerator itself runs on the CPU), and its `autocast()`
+    (TRL's log-prob passes run in it) CUDA's autocast of the precision emulated by `rules`, as on a GPU."""
+    import contextlib
+
+    from pipeline.training.step import autocast_dtype
+
+    dtype = autocast_dtype(precision)
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler=None):
+        with rules.autocast(dtype) if dtype is not None else contextlib.nullcontext():
+            yield
+
     base = type(accelerator)
-    accelerator.__class__ = type(f"Meta{base.__name__}", (base,), {"device": property(lambda self: device)})
+    members = {"autocast": autocast}
+    if device_type == "meta":
+        device = torch.device(device_type)
+        members["device"] = property(lambda self: device)
+    accelerator.__class__ = type(f"Simulated{base.__name__}", (base,), members)
 
 
 def sampler_stand_ins() -> dict:
@@ -116,6 +129,32 @@ class HostTensors(torch.overrides.TorchFunctionMode):
             host = func(*args, **{k: v for k, v in kwargs.items() if k != "device"})
             return host.to(device)
         return func(*args, **kwargs)
+
+
+def deepspeed_autocast(rules):
+    """DeepSpeed's engine forward decides its autocast from the one around it (`torch.is_autocast_enabled()`) and
+    opens `torch.autocast(<its accelerator's device>)`: here CUDA's autocast is `rules`' emulation, and TRL's log-prob
+    passes call the engine inside it; the same decisions, in the emulation."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def autocast_if_enabled(engine):
+        inner = engine.torch_autocast_enabled()
+        if rules.autocast_dtype is None and not inner:
+            yield
+            return
+        with rules.autocast(engine.torch_autocast_dtype() if inner else None, enabled=inner):
+            yield
+
+    stack = contextlib.ExitStack()
+    try:
+        import deepspeed.runtime.engine as engine_module
+    except ImportError:
+        return stack
+    original = engine_module.autocast_if_enabled
+    engine_module.autocast_if_enabled = autocast_if_enabled
+    stack.callback(setattr, engine_module, "autocast_if_enabled", original)
+    return stack
 
 
 class RolloutRun(SFTRun):
@@ -162,15 +201,27 @@ class RolloutRun(SFTRun):
         trainer._generate, trainer._get_per_token_logps_and_entropies = generating, scoring
 
     def context(self):
-        return HostTensors() if self.device_type == "meta" else super().context()
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        if self.device_type == "meta":
+            stack.enter_context(HostTensors())
+        if type(self.trainer.model_wrapped).__name__ == "DeepSpeedEngine" or self.world is not None:
+            stack.enter_context(deepspeed_autocast(self.rules))
+        return stack
 
     def setup(self) -> None:
         super().setup()
         self.loader = iter(self.trainer.get_train_dataloader())
 
     def micro_batch(self):
-        """The next generation batch of the trainer's own dataloader (prompts as text, on the host)."""
-        return next(self.loader)
+        """The next generation batch of the trainer's own dataloader (prompts as text, on the host); a new epoch
+        where one ends (each rank of several GPUs sees its share of the prompts)."""
+        batch = next(self.loader, None)
+        if batch is None:
+            self.loader = iter(self.trainer.get_train_dataloader())
+            batch = next(self.loader)
+        return batch
 
     def close(self) -> None:
         from pipeline.simulate.clients.parts import restore

@@ -78,8 +78,14 @@ def sharded_client_peak(config, run: Run) -> Estimate:
     check_sharded_client(run)
     check_installed(run.optim, run.liger_kernel)
     config = as_config(config)
+    rollout = run.client in ("grpo", "rloo")
+    stand_ins = host_copy_stand_ins()
+    if rollout:
+        from pipeline.simulate.clients.grpo import sampler_stand_ins
+
+        stand_ins.update(sampler_stand_ins())
     trace = trainer_trace("meta", run.reserve_limit, warm=not run.fresh_process, tracker_class=ShardedTracker,
-                          more_stand_ins=host_copy_stand_ins())
+                          more_stand_ins=stand_ins, host_values=rollout)
     tracker = trace.tracker
     tracker.stream = stream_name
     with fake_world(run.layout), meta_fsdp(), accelerate_on_gpus(run.num_gpus), arrivals(tracker), roles(tracker), \
@@ -189,6 +195,12 @@ def trainer_of(model, run: Run, trace):
     if run.client == "dpo":
         return meta_dpo_trainer(model, reference_model(model, setting, "meta"), setting, run.precision, run.batch,
                                 run.seq, "meta", trace.rules)
+    if run.client in ("grpo", "rloo"):
+        from pipeline.simulate.clients.grpo import meta_rollout_trainer
+        from pipeline.training.grpo import check
+
+        check(run.client, run.rollout, run.batch, run.gradient_accumulation)
+        return meta_rollout_trainer(model, setting, run.precision, run.batch, run.seq, "meta", trace.rules)
     raise UserError(f"client {run.client} does not run on several GPUs here (the loop's sharded step does)")
 
 
@@ -196,6 +208,7 @@ def run_class(client: str):
     """The `TrainerRun` that runs the client's steps."""
     from pipeline.simulate.clients.dpo import DPORun
     from pipeline.simulate.clients.sft import SFTRun
+    from pipeline.simulate.clients.grpo import RolloutRun
     from pipeline.simulate.clients.trainer import TrainerRun
 
-    return {"trainer": TrainerRun, "sft": SFTRun, "dpo": DPORun}[client]
+    return {"trainer": TrainerRun, "sft": SFTRun, "dpo": DPORun, "grpo": RolloutRun, "rloo": RolloutRun}[client]
