@@ -28,9 +28,12 @@ MAX_BODY_BYTES = 1 << 20
 MAX_GPU_MEMORY_GIB = 1024
 MAX_NUM_GPUS = 1024
 MAX_GRADIENT_ACCUMULATION = 64
+MAX_GENERATIONS = 64  # GRPO's completions per prompt
+MAX_COMPLETION = 32768  # GRPO's tokens per completion
 LIMITS = (f"the server refuses a request body over {MAX_BODY_BYTES >> 20} MiB, batch x seq over {MAX_TOKENS:,} "
           f"tokens, a GPU over {MAX_GPU_MEMORY_GIB} GiB, more than {MAX_NUM_GPUS} GPUs, gradient accumulation "
-          f"over {MAX_GRADIENT_ACCUMULATION} and a LoRA rank over {MAX_LORA_RANK}")
+          f"over {MAX_GRADIENT_ACCUMULATION}, a LoRA rank over {MAX_LORA_RANK}, more than {MAX_GENERATIONS} "
+          f"completions per prompt and completions over {MAX_COMPLETION:,} tokens")
 
 SEARCHES = ("max_batch_size", "max_seq_len", "layouts", "min_gpus")
 # The layouts' searches vary the layout themselves: the command drops these of the question (estimate/cli.py).
@@ -38,11 +41,11 @@ LAYOUT_FIELDS = ("sharding", "shard_group", "tensor_parallel")
 # Fields the server will not take from a request, and why.
 REFUSED = {"coefficients": "the server answers with its own coefficient file"}
 # Fields that are JSON objects (the library also takes a path: the server does not).
-OBJECTS = ("config", "training_args", "peft_config", "sft_config", "accelerate_config", "deepspeed")
+OBJECTS = ("config", "training_args", "peft_config", "sft_config", "accelerate_config", "deepspeed", "grpo_config")
 INTEGERS = ("batch", "seq", "num_gpus", "shard_group", "tensor_parallel", "gradient_accumulation", "lora_r",
-            "lora_alpha")
-BOOLEANS = ("checkpointing", "expandable_segments", "liger_kernel", *SEARCHES)
-NUMBERS = ("gpu_memory_gib",)
+            "lora_alpha", "num_generations", "max_completion_length")
+BOOLEANS = ("checkpointing", "expandable_segments", "liger_kernel", "use_vllm", *SEARCHES)
+NUMBERS = ("gpu_memory_gib", "beta", "vllm_gpu_memory_utilization")
 ATTENTION = (None, "sdpa", "eager")  # the library's default, or one of torch's own kernels
 
 
@@ -72,7 +75,7 @@ def check(question) -> dict:
     for name in OBJECTS:
         if name in q and not isinstance(q[name], dict):
             raise UserError(f"{name} must be a JSON object (the content of the file); the server reads no paths")
-    for name in ("training_args", "sft_config"):
+    for name in ("training_args", "sft_config", "grpo_config"):
         if isinstance(q.get(name, {}).get("deepspeed"), str):
             raise UserError(f"{name}'s deepspeed names a file; the server reads no paths: give the DeepSpeed config "
                             "as the deepspeed object")
@@ -92,7 +95,8 @@ def check(question) -> dict:
     if q.get("attn_implementation") not in ATTENTION:
         raise UserError(f"attn_implementation {q['attn_implementation']!r} is not one of sdpa, eager "
                         "(or left out: the library's default)")
-    for name in ("model", "gpu", "precision", "method", "client", "optimizer", "optim", "sharding", "quantization"):
+    for name in ("model", "gpu", "precision", "method", "client", "optimizer", "optim", "sharding", "quantization",
+                 "vllm_mode"):
         if name in q and not isinstance(q[name], str):
             raise UserError(f"{name} must be a string, not {q[name]!r}")
     searches = [name for name in SEARCHES if q.get(name)]
@@ -130,7 +134,8 @@ def check_limits(q: dict) -> None:
     if isinstance(gib, (int, float)) and not isinstance(gib, bool) and math.isfinite(gib) and gib > MAX_GPU_MEMORY_GIB:
         raise UserError(f"gpu_memory_gib {gib:g} is over the server's limit of {MAX_GPU_MEMORY_GIB} GiB")
     for name, most in (("num_gpus", MAX_NUM_GPUS), ("shard_group", MAX_NUM_GPUS), ("tensor_parallel", MAX_NUM_GPUS),
-                       ("gradient_accumulation", MAX_GRADIENT_ACCUMULATION), ("lora_r", MAX_LORA_RANK)):
+                       ("gradient_accumulation", MAX_GRADIENT_ACCUMULATION), ("lora_r", MAX_LORA_RANK),
+                       ("num_generations", MAX_GENERATIONS), ("max_completion_length", MAX_COMPLETION)):
         if q.get(name, 0) > most:
             raise UserError(f"{name} {q[name]} is over the server's limit of {most}")
     processes = q.get("accelerate_config", {}).get("num_processes")

@@ -38,12 +38,18 @@ def unavailable(client: str = "grpo") -> str | None:
     return reason.replace("client sft", f"client {client}") if reason else None
 
 
-def check(client: str, rollout: Rollout, batch: int, accumulation: int) -> None:
+def check(client: str, rollout: Rollout, batch: int, accumulation: int, seq: int | None = None) -> None:
     """What TRL checks of the batch before it builds anything, said in one line: the generation batch must be a
-    whole number of prompts, each with num_generations completions."""
+    whole number of prompts, each with num_generations completions; and the project's bound on the tokens of one
+    generation (`vocabulary.MAX_TOKENS`)."""
+    from pipeline.core.vocabulary import MAX_TOKENS
+
     full = rollout.defaults(client)
     steps = full.steps_per_generation or accumulation
     generation = batch * steps
+    if seq is not None and generation * (seq + full.max_completion_length) > MAX_TOKENS:
+        raise UserError(f"{client}: a generation of {generation} completions of {seq} + {full.max_completion_length} "
+                        f"tokens is more than the {MAX_TOKENS:,} tokens this project estimates")
     if generation % full.num_generations:
         raise UserError(f"{client}: the generation batch (batch {batch} x steps_per_generation {steps} = "
                         f"{generation} completions) must be a multiple of num_generations {full.num_generations}: "
@@ -86,9 +92,13 @@ def prompt_dataset(vocab_size: int, prompts: int, seq_len: int, seed: int = 0):
 
 
 def dataset_prompts(setting: Setting, batch: int) -> int:
-    """Prompts enough for three optimizer steps, at least one generation batch."""
+    """Prompts enough for three optimizer steps on every data-parallel rank (the ranks of torch.distributed's world
+    where one is up), at least one generation batch."""
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     full = setting.rollout.defaults(setting.client)
-    completions = batch * setting.gradient_accumulation * STEPS
+    completions = batch * setting.gradient_accumulation * STEPS * ranks
     return max(2, -(-completions // full.num_generations))
 
 

@@ -34,14 +34,18 @@ const FLAGS = [["batch", "--batch"], ["seq", "--seq"], ["precision", "--precisio
   ["sharding", "--sharding"], ["shard_group", "--shard-group"], ["tensor_parallel", "--tensor-parallel"],
   ["accelerate_config", "--accelerate-config"], ["gpu", "--gpu"], ["gpu_memory_gib", "--gpu-memory"],
   ["expandable_segments", "--expandable-segments"], ["liger_kernel", "--liger-kernel"], ["layouts", "--layouts"],
-  ["min_gpus", "--min-gpus"]];
+  ["min_gpus", "--min-gpus"], ["num_generations", "--num-generations"],
+  ["max_completion_length", "--max-completion-length"], ["beta", "--beta"]];
 // A pasted file is named by the file it would be on the command line (the server takes its content).
 const FILE_NAMES = {accelerate_config: "accelerate_config.yaml"};
-// The clients that run a Trainer (its optim, accumulation and Liger), and TRL's, which checkpoint by default.
-const TRAINER_CLIENTS = ["trainer", "sft", "dpo"];
-const TRL_CLIENTS = ["sft", "dpo"];
+// The clients that run a Trainer (its optim, accumulation and Liger), and TRL's, which checkpoint by default;
+// GRPO and RLOO generate their completions in the step (completions per prompt, their length, beta).
+const TRAINER_CLIENTS = ["trainer", "sft", "dpo", "grpo", "rloo"];
+const TRL_CLIENTS = ["sft", "dpo", "grpo", "rloo"];
+const ROLLOUT_CLIENTS = ["grpo", "rloo"];
+const ROLLOUT_FIELDS = ["num_generations", "max_completion_length", "beta"];
 const NUMBER_FIELDS = ["batch", "seq", "gradient_accumulation", "lora_r", "lora_alpha", "num_gpus", "shard_group",
-  "tensor_parallel", "gpu_memory_gib"];
+  "tensor_parallel", "gpu_memory_gib", ...ROLLOUT_FIELDS];
 const LAYOUT_FIELDS = ["num_gpus", "sharding", "shard_group", "tensor_parallel"];  // the layouts table varies them
 const DEFAULT_LAYOUTS_LIMIT = 8;  // the library's: estimate --layouts without --num-gpus
 
@@ -157,6 +161,12 @@ function question() {
     if ($("liger_kernel").checked) q.liger_kernel = true;
   } else if ($("optimizer").value !== "adamw") {
     q.optimizer = $("optimizer").value;
+  }
+  if (ROLLOUT_CLIENTS.includes(client)) {
+    for (const name of ROLLOUT_FIELDS) {
+      const v = numberOrText(name);
+      if (v !== undefined) q[name] = v;
+    }
   }
   if (TRL_CLIENTS.includes(client)) q.checkpointing = $("checkpointing").checked;  // on unless told otherwise
   else if ($("checkpointing").checked) q.checkpointing = true;
@@ -317,6 +327,7 @@ function setForm(q) {
   $("gradient_accumulation").value = q.gradient_accumulation ?? 1;
   $("checkpointing").checked = q.checkpointing ?? TRL_CLIENTS.includes(q.client);
   $("liger_kernel").checked = !!q.liger_kernel;
+  for (const name of ROLLOUT_FIELDS) $(name).value = q[name] ?? "";
   $("adapters").value = q.quantization ? "qlora" : q.lora_r ? "lora" : "none";
   $("lora_r").value = q.lora_r ?? 16;
   $("lora_alpha").value = q.lora_alpha ?? "";
@@ -351,6 +362,7 @@ function showBoxes() {
   $("optim-box").hidden = !trainer;
   $("accumulation-box").hidden = !trainer;
   $("liger-box").hidden = !trainer;
+  $("rollout-box").hidden = !ROLLOUT_CLIENTS.includes($("client").value);
   const adapters = $("adapters").value;
   for (const node of document.querySelectorAll(".lora-only")) node.hidden = adapters === "none";
   $("quantization").disabled = adapters !== "qlora";
@@ -954,7 +966,8 @@ async function start() {
   fillSelect("precision", info.precisions);
   fillSelect("weights_dtype", info.weights_dtypes);
   fillSelect("client", info.clients, {loop: "loop (standard step)", trainer: "trainer (HF Trainer)",
-    sft: "sft (TRL SFTTrainer)", dpo: "dpo (TRL DPOTrainer: batch = pairs)"});
+    sft: "sft (TRL SFTTrainer)", dpo: "dpo (TRL DPOTrainer: batch = pairs)",
+    grpo: "grpo (TRL GRPOTrainer: batch = completions, seq = prompt)", rloo: "rloo (TRL RLOOTrainer)"});
   fillSelect("optimizer", info.optimizers);
   fillSelect("optim", info.optims);
   fillSelect("quantization", info.quantizations);

@@ -42,7 +42,7 @@ def rollout_peak(config, run: Run) -> Estimate:
     if run.rollout is not None and run.rollout.use_vllm:
         raise UserError("use_vllm: vLLM's generation is not simulated yet; leave use_vllm off (transformers' "
                         "generate, TRL's default)")
-    check(run.client, run.rollout, run.batch, run.gradient_accumulation)
+    check(run.client, run.rollout, run.batch, run.gradient_accumulation, run.seq)
 
     def make_trainer(model, setting, trace):
         return meta_rollout_trainer(model, setting, run.precision, run.batch, run.seq, "meta", trace.rules)
