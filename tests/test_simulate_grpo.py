@@ -103,7 +103,6 @@ def test_exact_grpo_with_a_reference_model_matches_an_h100_row():
     ({"client": "sft", "beta": 0.1}, "beta, max_completion_length: GRPO.s and RLOO.s settings"),
     ({"client": "rloo", "loss_type": "dapo"}, "loss_type 'dapo' is not one of none"),
     ({"client": "grpo", "vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization must be a fraction"),
-    ({"client": "grpo", "use_vllm": True}, "vLLM's generation is not simulated yet"),
     ({"client": "grpo", "method": "formula"}, "estimated by the exact method only"),
 ])
 def test_bad_rollouts_are_refused_in_one_line(options, message):
@@ -146,3 +145,31 @@ def test_the_command_answers_with_the_phases_and_refuses_in_one_line(tmp_path):
     bad = pipeline("estimate", "--client", "grpo", "--config", config, "--batch", 6, "--seq", 16, "--precision",
                    "bf16-autocast", cwd=tmp_path, check=False)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "multiple of num_generations 8" in bad.stderr
+
+
+def test_vllm_generates_outside_the_step_and_colocate_keeps_its_share_of_the_gpu():
+    """use_vllm: no generation on the policy (its completions arrive as token ids), the old policy's log-probs for
+    TRL's importance sampling correction instead; colocate mode's pool, vllm_gpu_memory_utilization of the GPU,
+    is memory beside the step in the verdict; server mode's is not on the training GPU."""
+    from pipeline.estimate import estimate
+
+    common = dict(config={**TINY_LLAMA}, client="grpo", batch=8, seq=16, num_generations=4, max_completion_length=16,
+                  precision="bf16-autocast", gpu="H100 80GB")
+    plain = estimate(**common)
+    colocate = estimate(**common, use_vllm=True, vllm_gpu_memory_utilization=0.5)
+    server = estimate(**common, use_vllm=True, vllm_mode="server")
+    assert "log-probs" not in plain["phase_peaks"] and "log-probs" in colocate["phase_peaks"]
+    assert colocate["phase_peaks"]["generation"] < plain["phase_peaks"]["generation"]  # no KV cache on the policy
+    assert colocate["vllm_pool_bytes"] == int(0.5 * colocate["device_total_bytes"])
+    assert colocate["outside_bytes"] == plain["outside_bytes"] + colocate["vllm_pool_bytes"]
+    assert server["outside_bytes"] == plain["outside_bytes"] and server.get("vllm_pool_bytes") is None
+    assert server["peak_bytes"] == colocate["peak_bytes"]
+
+
+def test_a_colocated_vllm_too_small_for_its_weights_would_not_start():
+    from pipeline.estimate import estimate
+    from pipeline.simulate.crashes import RunWouldCrash
+
+    with pytest.raises(RunWouldCrash, match=r"vLLM \(colocate\) would not start: its bf16 copy of the weights"):
+        estimate("Qwen/Qwen2.5-7B", client="grpo", batch=8, seq=16, use_vllm=True, vllm_gpu_memory_utilization=0.1,
+                 gpu="H100 80GB")

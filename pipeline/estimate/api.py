@@ -120,6 +120,32 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
     return run, [*notes, *(given["adapter"].notes if given["adapter"] is not None else ())]
 
 
+def vllm_notes(run: Run, target: Target, dev: Device | None) -> list:
+    """What the answer says of vLLM's generation (modelled, not simulated); a colocated pool too small for vLLM's
+    copy of the weights stops the run at its start (one line, before anything is simulated)."""
+    from pipeline.estimate.verdict import vllm_pool_bytes
+    from pipeline.simulate.crashes import RunWouldCrash
+
+    mode = run.rollout.vllm_mode or "colocate"
+    if mode == "server":
+        return ["vLLM in server mode generates on GPUs of its own: the training GPUs hold no generation (the weight "
+                "sync's NCCL communicator is not counted)"]
+    if dev is None:
+        return ["vLLM in colocate mode takes vllm_gpu_memory_utilization of the GPU beside the training step: give "
+                "the GPU (--gpu) for the verdict to count it"]
+    pool = vllm_pool_bytes(run, dev)
+    weights = 2 * target.parameters  # each training process's engine holds the whole model (vLLM tensor parallel 1)
+    if weights > pool:
+        raise RunWouldCrash(f"vLLM (colocate) would not start: its bf16 copy of the weights ({weights / GIB:.1f} GiB) "
+                            f"does not fit its share of the GPU ({pool / GIB:.1f} GiB, vllm_gpu_memory_utilization "
+                            f"of {dev.total_bytes / GIB:.1f} GiB): raise vllm_gpu_memory_utilization, or use "
+                            "vllm_mode server")
+    return [f"vLLM (colocate) is modelled, not simulated: it keeps {pool / GIB:.1f} GiB of the GPU "
+            "(vllm_gpu_memory_utilization of its total: its weights, activations and the KV cache it sizes to fill "
+            "the rest) beside the training step, counted in the verdict as memory outside the step; its weight sync "
+            "and sleep mode are not modelled"]
+
+
 def rollout_columns(run: Run) -> dict:
     """The rollout as the run has it (TRL's defaults filled in), and whether a reference model is held."""
     from dataclasses import asdict
@@ -281,6 +307,7 @@ def with_notes(result: dict, notes: list) -> dict:
 def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = None) -> dict:
     """The estimate as the JSON answer: what was estimated, the method's details, components, peak,
     reserved bytes and, for a device, the fit verdict."""
+    vllm = vllm_notes(run, target, dev) if run.rollout is not None and run.rollout.use_vllm else []
     estimated = estimator.predict(target, run)
     peak = estimated.peak_bytes
     result = {"method": estimator.name, "model_id": target.model_id, "parameters": target.parameters,
@@ -295,6 +322,12 @@ def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = 
               **estimated.details, "components": estimated.components, "peak_formula": estimator.peak_formula,
               "peak_bytes": peak, "peak_gib": peak / GIB,
               "peak_reserved_bytes": estimated.reserved(run.expandable_segments)}
+    if vllm:
+        result.setdefault("notes", []).extend(vllm)
+        if dev is not None:
+            from pipeline.estimate.verdict import vllm_pool_bytes
+
+            result["vllm_pool_bytes"] = vllm_pool_bytes(run, dev) or None
     if dev is not None:
         verdict = judge(estimated, run, dev)
         result.update(gpu=dev.name, device_total_bytes=dev.total_bytes, gpu_memory_bytes=dev.total_bytes,

@@ -111,9 +111,13 @@ def add_rollout_arguments(parser) -> None:
                        help="tokens per completion (default 512); --seq is the prompt's length")
     group.add_argument("--beta", type=float, default=None,
                        help="the KL coefficient: above 0 a reference model (default: grpo 0.0, rloo 0.05)")
-    group.add_argument("--use-vllm", action="store_true", default=None, help="generation by vLLM (not simulated yet)")
-    group.add_argument("--vllm-mode", choices=("colocate", "server"), default=None)
-    group.add_argument("--vllm-gpu-memory-utilization", type=float, default=None, metavar="U")
+    group.add_argument("--use-vllm", action="store_true", default=None,
+                       help="generation by vLLM (modelled: its completions arrive from outside the training step)")
+    group.add_argument("--vllm-mode", choices=("colocate", "server"), default=None,
+                       help="colocate (default): vLLM keeps --vllm-gpu-memory-utilization of the GPU beside the step; "
+                            "server: GPUs of its own")
+    group.add_argument("--vllm-gpu-memory-utilization", type=float, default=None, metavar="U",
+                       help="vLLM's share of the GPU in colocate mode (TRL's default 0.3)")
     group.add_argument("--grpo-config", default=None, metavar="FILE",
                        help="a GRPOConfig / RLOOConfig file (YAML or JSON, as `trl grpo --config`): batch, "
                             "accumulation, bf16/fp16, checkpointing, optim, LoRA and the rollout keys")
@@ -217,6 +221,9 @@ def human_summary(result: dict) -> str:
         lines.append(f"  {r['num_generations']} completions per prompt of {r['max_completion_length']} tokens "
                      f"(prompts of {result['seq_len']}), beta {r['beta']:g}"
                      + (", a reference model" if r["reference_model"] else ""))
+    if result.get("vllm_pool_bytes"):
+        lines.append(f"  vLLM's pool (colocate)   {result['vllm_pool_bytes'] / GIB:10.2f} GiB beside the step, in the "
+                     "verdict")
     if result.get("phase_peaks") and result["client"] in ("grpo", "rloo"):
         lines.append("  peak in " + result["peak_phase"] + "; by phase: " + ", ".join(
             f"{phase} {value / GIB:.2f}" for phase, value in result["phase_peaks"].items()) + " GiB")

@@ -14,8 +14,26 @@ from pipeline.training.values import GIB, Estimate, Run
 
 
 def run_outside_bytes(run: Run, dev: Device) -> int:
-    """The memory outside PyTorch of one of the run's processes on `dev` (NCCL's on several GPUs)."""
-    return outside_bytes(dev, run.precision, run.attn_implementation, run.layout.communicators)
+    """The memory outside PyTorch of one of the run's processes on `dev` (NCCL's on several GPUs), and beside the
+    training step's own allocations vLLM's pool where it generates on the same GPU (`vllm_pool_bytes`)."""
+    return outside_bytes(dev, run.precision, run.attn_implementation, run.layout.communicators) + \
+        vllm_pool_bytes(run, dev)
+
+
+# vLLM's default share of the GPU in TRL's colocate mode (GRPOConfig.vllm_gpu_memory_utilization, trl 1.16)
+VLLM_COLOCATE_SHARE = 0.3
+
+
+def vllm_pool_bytes(run: Run, dev: Device) -> int:
+    """GRPO / RLOO with `use_vllm` in colocate mode: vLLM in the training process takes `vllm_gpu_memory_utilization`
+    of the GPU's total for itself (its weights, its profiled activations, and the KV cache blocks it sizes to fill
+    the rest: vLLM's documented sizing), for the whole run (sleep mode, which gives it back between generations, is
+    not modelled). Server mode: nothing on the training GPUs."""
+    rollout = run.rollout
+    if rollout is None or not rollout.use_vllm or (rollout.vllm_mode or "colocate") != "colocate":
+        return 0
+    share = rollout.vllm_gpu_memory_utilization or VLLM_COLOCATE_SHARE
+    return int(share * dev.total_bytes)
 
 
 def judge(estimated: Estimate, run: Run, dev: Device) -> Verdict:

@@ -17,6 +17,8 @@ from pipeline.training.step import Setting
 def unavailable(setting: Setting, device: str) -> str | None:
     from pipeline.training.grpo import unavailable as rollout_unavailable
 
+    if setting.rollout is not None and setting.rollout.use_vllm:
+        return "use_vllm: vLLM is not installed on the measuring machine (too large to carry); generation by transformers"
     return rollout_unavailable(setting.client) or sft_unavailable(setting, device)
 
 

@@ -61,8 +61,10 @@ COLUMNS = {
                       "amp-fp16 (fp32 weights, fp16 autocast, gradient scaler) or bf16-autocast (bf16 weights, "
                       "grads and state, bf16 autocast: bf16=True on a model loaded in bf16)"),
     "client": ("", "what runs the steps: loop (the standard step), trainer (transformers.Trainer), sft "
-                   "(TRL's SFTTrainer: its fused LM head, checkpointing by default) or dpo (TRL's DPOTrainer: B "
-                   "preference pairs, 2B sequences, a reference model; definitions)"),
+                   "(TRL's SFTTrainer: its fused LM head, checkpointing by default), dpo (TRL's DPOTrainer: B "
+                   "preference pairs, 2B sequences, a reference model), grpo or rloo (TRL's GRPOTrainer and "
+                   "RLOOTrainer: generation in the step, B completions per micro-batch, seq_len the prompt's "
+                   "length; definitions)"),
     "liger_kernel": ("", "Liger's kernels (use_liger_kernel=True of the trainer, sft and dpo clients; false "
                          "elsewhere)"),
     "first_in_process": ("", "the point was its measuring process's first (the model built and cuBLAS's workspaces "
@@ -86,6 +88,13 @@ COLUMNS = {
     "hyperparameters": ("", "JSON: the TrainingArguments optimizer and schedule numbers the run was given (learning "
                             "rate, warmup_steps, max_steps...; a DeepSpeed config's \"auto\" values come from them); "
                             "empty: TrainingArguments' defaults"),
+    "rollout": ("", "grpo, rloo: JSON of the GRPOConfig / RLOOConfig keys the run was given (num_generations, "
+                    "max_completion_length, beta, ...); empty: TRL's defaults (grpo 8 completions per prompt, rloo 2, "
+                    "512 tokens each)"),
+    "phase_peaks": ("", "JSON: the peak allocated bytes of each phase of the step (grpo, rloo: generation and "
+                        "log-probs beside forward, backward and optimizer)"),
+    "step_peaks": ("", "JSON: the peak allocated bytes so far after each optimizer step (whether the peak moves after "
+                       "the first)"),
     "alloc_conf": ("", "PYTORCH_CUDA_ALLOC_CONF of the run (empty: the caching allocator's defaults)"),
     "memory_history": ("", "rank 0's allocator history of the point (every malloc and free with its stream; "
                            "pipeline.training.memory_history), a file under the table's folder; empty: not recorded"),

@@ -39,9 +39,6 @@ def rollout_peak(config, run: Run) -> Estimate:
     from pipeline.core.errors import UserError
     from pipeline.training.grpo import check, unavailable
 
-    if run.rollout is not None and run.rollout.use_vllm:
-        raise UserError("use_vllm: vLLM's generation is not simulated yet; leave use_vllm off (transformers' "
-                        "generate, TRL's default)")
     check(run.client, run.rollout, run.batch, run.gradient_accumulation, run.seq)
 
     def make_trainer(model, setting, trace):
@@ -77,7 +74,38 @@ def meta_rollout_trainer(model, setting: Setting, precision: str, batch: int, se
                               peft_config=peft_config(setting))
     simulated_on(trainer, device_type, setting)
     on_device(trainer.accelerator, device_type, rules, precision)
+    if setting.rollout.use_vllm:
+        generated_elsewhere(trainer, setting.rollout)
     return trainer
+
+
+class VLLMStandIn:
+    """TRL's `VLLMGeneration` as the training process sees it: the completions arrive as host lists of token ids
+    (every one max_completion_length long, as the simulated sampler's), each token with its sampling log-prob.
+    vLLM's own memory is not the training process's allocations: in colocate mode the verdict counts its pool
+    beside them (`pipeline.estimate.verdict.vllm_pool_bytes`); its weight sync is not modelled."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def sync_weights(self) -> None:
+        pass
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        from pipeline.training.grpo import TOKEN
+
+        completions = [[TOKEN] * self.length for _ in prompts]
+        return prompts, completions, [[[-1.0]] * self.length for _ in prompts], None
+
+
+def generated_elsewhere(trainer, rollout) -> None:
+    """The trainer as TRL builds it with `use_vllm=True` (built without: vLLM is not installed here): generation by
+    `VLLMStandIn`, and the paths TRL takes for vLLM's completions (the old policy's log-probs for the importance
+    sampling correction)."""
+    trainer.use_vllm = True
+    trainer.vllm_mode = rollout.vllm_mode or "colocate"
+    trainer.vllm_generation = VLLMStandIn(trainer.max_completion_length)
+    trainer._last_loaded_step = -1
 
 
 def on_device(accelerator, device_type: str, rules, precision: str) -> None:
