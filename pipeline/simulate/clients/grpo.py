@@ -22,8 +22,6 @@ simulator's stand-ins (`pipeline.simulate.clients.sft`):
 
 from __future__ import annotations
 
-import torch
-
 from pipeline.simulate.clients.sft import SFTRun, trl_peak
 from pipeline.training.step import Setting
 from pipeline.training.values import Estimate, Run
@@ -115,6 +113,8 @@ def on_device(accelerator, device_type: str, rules, precision: str) -> None:
 
     from pipeline.training.step import autocast_dtype
 
+    import torch
+
     dtype = autocast_dtype(precision)
 
     @contextlib.contextmanager
@@ -133,6 +133,8 @@ def on_device(accelerator, device_type: str, rules, precision: str) -> None:
 def sampler_stand_ins() -> dict:
     """`torch.multinomial` and `torch.argmax` over a meta vocabulary: every row draws `training.grpo.TOKEN`, a host
     value its meta output carries (the allocation is the kernel's own)."""
+    import torch
+
     from pipeline.training.grpo import TOKEN
 
     aten = torch.ops.aten
@@ -146,17 +148,22 @@ def sampler_stand_ins() -> dict:
     return {aten.multinomial.default: drawn, aten.argmax.default: drawn}
 
 
-class HostTensors(torch.overrides.TorchFunctionMode):
-    """`torch.tensor(data, device=meta)` as a host tensor copied to the device: the copy is counted, as CUDA
-    allocates it, and carries its host values (on meta the tensor would be made without any dispatch)."""
+def host_tensors():
+    """A torch function mode in which `torch.tensor(data, device=meta)` is a host tensor copied to the device: the
+    copy is counted, as CUDA allocates it, and carries its host values (on meta the tensor would be made without
+    any dispatched op)."""
+    import torch
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        device = kwargs.get("device")
-        if func is torch.tensor and device is not None and torch.device(device).type == "meta":
-            host = func(*args, **{k: v for k, v in kwargs.items() if k != "device"})
-            return host.to(device)
-        return func(*args, **kwargs)
+    class HostTensors(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            device = kwargs.get("device")
+            if func is torch.tensor and device is not None and torch.device(device).type == "meta":
+                host = func(*args, **{k: v for k, v in kwargs.items() if k != "device"})
+                return host.to(device)
+            return func(*args, **kwargs)
+
+    return HostTensors()
 
 
 def deepspeed_autocast(rules):
@@ -201,6 +208,8 @@ class RolloutRun(SFTRun):
         return [self.model] + ([reference] if reference is not None else [])
 
     def attach(self, rules, tracker) -> None:
+        import torch
+
         model, trainer = self.model, self.trainer
         self.rules, self.tracker = rules, tracker
 
@@ -233,7 +242,7 @@ class RolloutRun(SFTRun):
 
         stack = contextlib.ExitStack()
         if self.device_type == "meta":
-            stack.enter_context(HostTensors())
+            stack.enter_context(host_tensors())
         if type(self.trainer.model_wrapped).__name__ == "DeepSpeedEngine" or self.world is not None:
             stack.enter_context(deepspeed_autocast(self.rules))
         return stack
