@@ -26,7 +26,10 @@ FLAGS = {"batch": "--batch", "seq": "--seq", "precision": "--precision", "weight
          "accelerate_config": "--accelerate-config", "gpu": "--gpu", "gpu_memory_gib": "--gpu-memory",
          "expandable_segments": "--expandable-segments", "method": "--method", "max_batch_size": "--max-batch-size",
          "max_seq_len": "--max-seq-len", "layouts": "--layouts", "min_gpus": "--min-gpus",
-         "attn_implementation": "--attn-implementation", "liger_kernel": "--liger-kernel", "alloc_conf": "--alloc-conf"}
+         "attn_implementation": "--attn-implementation", "liger_kernel": "--liger-kernel", "alloc_conf": "--alloc-conf",
+         "num_generations": "--num-generations", "max_completion_length": "--max-completion-length", "beta": "--beta",
+         "use_vllm": "--use-vllm", "vllm_mode": "--vllm-mode",
+         "vllm_gpu_memory_utilization": "--vllm-gpu-memory-utilization"}
 # The JSON objects a question holds and the command reads from files.
 FILES = {"config": "--config", "accelerate_config": "--accelerate-config"}
 

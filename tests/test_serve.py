@@ -149,6 +149,8 @@ def test_a_link_asks_the_same_question(server):
 
 DEEPSPEED_QUESTION = {"config": TINY_CONFIG, "batch": 2, "seq": 128, "client": "trainer", "num_gpus": 2,
                       "weights_dtype": "bf16", "method": "exact"}
+GRPO_QUESTION = {"config": TINY_CONFIG, "batch": 8, "seq": 16, "client": "grpo", "num_generations": 4,
+                 "max_completion_length": 8, "weights_dtype": "bf16", "method": "exact"}
 NESTED_500 = {"stage": 2}
 for _ in range(500):
     NESTED_500 = {"zero_optimization": NESTED_500}
@@ -204,6 +206,13 @@ BAD = [
      "more than 1e+13 elements"),
     ({**DEEPSPEED_QUESTION, "deepspeed": NESTED_500}, "nested more than 32 levels"),
     ({**DEEPSPEED_QUESTION, "deepspeed": GUIDE_ZERO2_OFFLOAD}, "the run would stop before its first step"),
+    # GRPO: a generation batch TRL refuses, the server's caps, a colocated vLLM too small for its weights
+    ({**GRPO_QUESTION, "batch": 6}, "multiple of num_generations 4"),
+    ({**GRPO_QUESTION, "num_generations": 128}, "num_generations 128 is over the server's limit"),
+    ({**GRPO_QUESTION, "max_completion_length": "long"}, "max_completion_length must be a positive integer"),
+    ({**GRPO_QUESTION, "grpo_config": "grpo.yaml"}, "reads no paths"),
+    ({**GRPO_QUESTION, "model": "Qwen/Qwen2.5-7B", "config": None, "use_vllm": True,
+      "vllm_gpu_memory_utilization": 0.1, "gpu": "H100 80GB"}, "vLLM (colocate) would not start"),
 ]
 
 
@@ -283,6 +292,14 @@ def test_an_sft_users_words_ask_bf16_autocast(server):
     assert answer == cli_json(question)
     assert answer != answer_of(server, {**{k: v for k, v in question.items() if k != "weights_dtype"},
                                         "precision": "bf16"})
+
+
+def test_a_grpo_question_is_the_commands(server):
+    """GRPO asked of the server: the same answer as the command's, with the phase of the peak and the rollout."""
+    answer = answer_of(server, GRPO_QUESTION)
+    assert answer == cli_json(GRPO_QUESTION)
+    assert answer["client"] == "grpo" and answer["peak_phase"] in answer["phase_peaks"]
+    assert answer["rollout"]["num_generations"] == 4 and answer["rollout"]["max_completion_length"] == 8
 
 
 def test_the_accuracy_of_a_setting(server):
