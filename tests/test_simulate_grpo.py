@@ -173,3 +173,23 @@ def test_a_colocated_vllm_too_small_for_its_weights_would_not_start():
     with pytest.raises(RunWouldCrash, match=r"vLLM \(colocate\) would not start: its bf16 copy of the weights"):
         estimate("Qwen/Qwen2.5-7B", client="grpo", batch=8, seq=16, use_vllm=True, vllm_gpu_memory_utilization=0.1,
                  gpu="H100 80GB")
+
+
+def test_several_gpus_shard_the_policy_and_generate_on_each_rank():
+    """GRPO on 2 GPUs as TRL launches it: DDP keeps the whole policy and its state per GPU; FSDP2 all-gathers it
+    layer by layer (accelerate's FSDP2 keeps the bf16 weights as fp32 shards: the same bytes on 2 GPUs); ZeRO-3
+    partitions the weights (half of them per GPU), gathering them whole for generation."""
+    from pipeline.estimate import estimate
+
+    common = dict(config={**TINY_LLAMA}, client="grpo", batch=8, seq=16, num_generations=4, max_completion_length=16,
+                  precision="bf16-autocast", method="exact")
+    one = estimate(**common)
+    ddp = estimate(**common, num_gpus=2, sharding="ddp")
+    fsdp = estimate(**common, num_gpus=2, sharding="fsdp")
+    zero3 = estimate(**common, num_gpus=2, sharding="zero3")
+    assert ddp["components"]["parameters"] == one["components"]["parameters"]
+    assert ddp["components"]["optimizer_state"] == one["components"]["optimizer_state"]
+    assert fsdp["components"]["all_gather"] > 0 and fsdp["components"]["gradients"] == 0
+    assert abs(zero3["components"]["parameters"] * 2 - one["components"]["parameters"]) <= 1024  # partition padding
+    for answer in (ddp, fsdp, zero3):
+        assert {"generation", "forward", "backward", "optimizer"} <= set(answer["phase_peaks"])
