@@ -193,3 +193,15 @@ def test_several_gpus_shard_the_policy_and_generate_on_each_rank():
     assert abs(zero3["components"]["parameters"] * 2 - one["components"]["parameters"]) <= 1024  # partition padding
     for answer in (ddp, fsdp, zero3):
         assert {"generation", "forward", "backward", "optimizer"} <= set(answer["phase_peaks"])
+
+
+def test_the_largest_batch_is_a_whole_number_of_prompts():
+    """--max-batch-size for GRPO searches the batches TRL takes (multiples of num_generations here): the answer fits,
+    one prompt more does not."""
+    from pipeline.estimate import estimate, max_batch_size
+
+    common = dict(config={**TINY_LLAMA}, client="grpo", seq=16, num_generations=4, max_completion_length=16,
+                  precision="bf16-autocast", method="exact", gpu_memory_gib=1.5)
+    largest = max_batch_size(**common)
+    assert largest > 0 and largest % 4 == 0
+    assert estimate(batch=largest, **common)["fits"] and not estimate(batch=largest + 4, **common)["fits"]

@@ -29,6 +29,11 @@ def largest_batch(estimator: Estimator, target: Target, run: Run, dev: Device, l
     """The largest B that fits `dev` (0: none), for any estimator; never beyond `limit` or the
     project's largest question (vocabulary.MAX_BATCH, MAX_TOKENS)."""
     limit = min(limit, MAX_BATCH, MAX_TOKENS // run.seq)
+    unit = batch_unit(run)
+    if unit > 1:  # GRPO / RLOO: the batches TRL takes, multiples of a whole number of prompts
+        found = largest_by_headroom(lambda groups: verdict(estimator, target, run.with_batch(groups * unit), dev),
+                                    limit // unit)
+        return found * unit
     guess = None
     if isinstance(estimator, ClosedFormEstimator):  # its allocated budget, for a first guess
         room = dev.total_bytes - run_outside_bytes(run, dev)
@@ -37,6 +42,18 @@ def largest_batch(estimator: Estimator, target: Target, run: Run, dev: Device, l
         return largest(lambda batch: fits(estimator, target, run.with_batch(batch), dev), limit, guess,
                        exact_limit=True)
     return largest_by_headroom(lambda batch: verdict(estimator, target, run.with_batch(batch), dev), limit)
+
+
+def batch_unit(run: Run) -> int:
+    """The step between the batches a run's client takes: GRPO and RLOO generate `batch x steps_per_generation`
+    completions, a multiple of num_generations (`training.grpo.check`); 1 for the other clients."""
+    if run.rollout is None:
+        return 1
+    import math
+
+    full = run.rollout.defaults(run.client)
+    steps = full.steps_per_generation or run.gradient_accumulation
+    return full.num_generations // math.gcd(full.num_generations, steps)
 
 
 def largest_seq(estimator: Estimator, target: Target, run: Run, dev: Device) -> int:
