@@ -22,6 +22,8 @@ simulator's stand-ins (`pipeline.simulate.clients.sft`):
 
 from __future__ import annotations
 
+import contextlib
+
 from pipeline.simulate.clients.sft import SFTRun, trl_peak
 from pipeline.training.step import Setting
 from pipeline.training.values import Estimate, Run
@@ -109,11 +111,9 @@ def generated_elsewhere(trainer, rollout) -> None:
 def on_device(accelerator, device_type: str, rules, precision: str) -> None:
     """`accelerator.device` is `device_type` on meta (the accelerator itself runs on the CPU), and its `autocast()`
     (TRL's log-prob passes run in it) CUDA's autocast of the precision emulated by `rules`, as on a GPU."""
-    import contextlib
+    import torch
 
     from pipeline.training.step import autocast_dtype
-
-    import torch
 
     dtype = autocast_dtype(precision)
 
@@ -148,29 +148,31 @@ def sampler_stand_ins() -> dict:
     return {aten.multinomial.default: drawn, aten.argmax.default: drawn}
 
 
+@contextlib.contextmanager
 def host_tensors():
-    """A torch function mode in which `torch.tensor(data, device=meta)` is a host tensor copied to the device: the
-    copy is counted, as CUDA allocates it, and carries its host values (on meta the tensor would be made without
-    any dispatched op)."""
+    """`torch.tensor(data, device=meta)` as a host tensor copied to the device: the copy is counted, as CUDA
+    allocates it, and carries its host values (on meta the tensor would be made without any dispatched op). The
+    module's function is replaced for the run (a torch function mode would see every call of every op)."""
     import torch
 
-    class HostTensors(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            device = kwargs.get("device")
-            if func is torch.tensor and device is not None and torch.device(device).type == "meta":
-                host = func(*args, **{k: v for k, v in kwargs.items() if k != "device"})
-                return host.to(device)
-            return func(*args, **kwargs)
+    original = torch.tensor
 
-    return HostTensors()
+    def tensor(data, *args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "meta":
+            return original(data, *args, **kwargs).to(device)
+        return original(data, *args, device=device, **kwargs)
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = original
 
 
 def deepspeed_autocast(rules):
     """DeepSpeed's engine forward decides its autocast from the one around it (`torch.is_autocast_enabled()`) and
     opens `torch.autocast(<its accelerator's device>)`: here CUDA's autocast is `rules`' emulation, and TRL's log-prob
     passes call the engine inside it; the same decisions, in the emulation."""
-    import contextlib
 
     @contextlib.contextmanager
     def autocast_if_enabled(engine):
@@ -238,12 +240,10 @@ class RolloutRun(SFTRun):
         trainer._generate, trainer._get_per_token_logps_and_entropies = generating, scoring
 
     def context(self):
-        import contextlib
-
         stack = contextlib.ExitStack()
         if self.device_type == "meta":
             stack.enter_context(host_tensors())
-        if type(self.trainer.model_wrapped).__name__ == "DeepSpeedEngine" or self.world is not None:
+        if self.world is not None:  # several GPUs: DeepSpeed's engine may run the steps
             stack.enter_context(deepspeed_autocast(self.rules))
         return stack
 
