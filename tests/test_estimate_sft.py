@@ -190,12 +190,12 @@ def test_bad_sft_config_is_one_line_and_exit_2(content, message, tmp_path, capsy
     (["--client", "trainer", "--precision", "bf16", "--completion-share", "0.5"],
      "completion_share is TRL's trainers' (sft, dpo), not the trainer client's"),
     (["--precision", "bf16", "--liger-kernel"],
-     "liger_kernel is use_liger_kernel of the Trainer clients (trainer, sft, dpo), not of the loop client"),
+     "liger_kernel is use_liger_kernel of the Trainer clients (trainer, sft, dpo, grpo, rloo), not of the loop client"),
     (["--client", "sft", "--precision", "amp-bf16", "--weights-dtype", "bf16"],
      "precision amp-bf16 has fp32 weights, not the weights dtype bf16"),
     (["--client", "sft", "--weights-dtype", "fp16"], "argument --weights-dtype: invalid choice"),
     (["--client", "sft", "--sft-config", "missing.yaml"], "missing.yaml: sft config not found"),
-    (["--client", "sft", "--training-args", "a.json", "--sft-config", "b.yaml"], "give one of training arguments"),
+    (["--client", "sft", "--training-args", "a.json", "--sft-config", "b.yaml"], "give one training file: training arguments"),
 ])
 def test_bad_sft_options_are_one_line_and_exit_2(args, message, capsys):
     try:

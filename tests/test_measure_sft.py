@@ -122,7 +122,7 @@ def test_trainer_in_bf16_autocast_keeps_bf16_weights(sft_sweep):
     ({"client": "sft", "completion_share": 1.5}, "completion_share must be a number in (0, 1], not 1.5"),
     ({"client": "sft", "completion_share": "half"}, "completion_share must be a number in (0, 1], not 'half'"),
     ({"client": "trainer", "completion_share": 0.5}, "completion_share is TRL's trainers' (sft, dpo), not the trainer client's"),
-    ({"liger_kernel": True}, "liger_kernel is use_liger_kernel of the Trainer clients (trainer, sft, dpo), not of the loop"),
+    ({"liger_kernel": True}, "liger_kernel is use_liger_kernel of the Trainer clients (trainer, sft, dpo, grpo, rloo), not of the loop"),
     ({"client": "sft", "liger_kernel": "yes"}, "liger_kernel must be true or false, not 'yes'"),
     ({"client": "sft", "optimizer": "sgd"}, "optimizer is the loop client's; the sft client takes optim"),
 ])

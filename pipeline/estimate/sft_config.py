@@ -70,18 +70,18 @@ def read_sft_config(source, client: str = "sft") -> dict:
     bf16 = (not fp16) if args.get("bf16") is None else args["bf16"]
     if bf16 and fp16:
         raise UserError(f"{label}: bf16 and fp16 are both true")
-    notes = [f"{label}: {what} is not modelled" for key, what in UNMODELLED.items()
+    notes = [f"{client} config: {what} is not modelled" for key, what in UNMODELLED.items()
              if args.get(key) not in (None, False, "", [], {})]
     seq = positive_int_option(args, "max_length", source) if "max_length" in args else \
         MAX_LENGTH_DEFAULT if rollout is None else None
     if "max_length" in args and args["max_length"] is None:
-        notes.append("sft config: max_length is null (no truncation): the sequence length is --seq's")
+        notes.append(f"{client} config: max_length is null (no truncation): the sequence length is --seq's")
     adapter = None
     if args.get("use_peft"):
         targets = args.get("lora_target_modules")
         if targets is None:
             targets = PEFT_DEFAULT_TARGETS
-            notes.append(f"sft config: no lora_target_modules: PEFT's default for llama-style models "
+            notes.append(f"{client} config: no lora_target_modules: PEFT's default for llama-style models "
                          f"({PEFT_DEFAULT_TARGETS}) is assumed")
         quantization = "nf4" if args.get("load_in_4bit") else None
         with _located(label):
@@ -91,10 +91,10 @@ def read_sft_config(source, client: str = "sft") -> dict:
         raise UserError(f"{label}: a quantized base (load_in_4bit / load_in_8bit) trains adapters only: set use_peft")
     weights = _weights(args.get("dtype", "float32"), label)
     if adapter is not None and adapter.quantization and weights != "bf16":
-        notes.append("sft config: load_in_4bit with dtype float32 computes the 4-bit matmuls in fp32 "
+        notes.append(f"{client} config: load_in_4bit with dtype float32 computes the 4-bit matmuls in fp32 "
                      "(bnb_4bit_compute_dtype = dtype); the estimate takes bf16 compute")
     if args.get("completion_only_loss") or args.get("assistant_only_loss"):
-        notes.append("sft config: only completion (or assistant) tokens carry a label: give their share with "
+        notes.append(f"{client} config: only completion (or assistant) tokens carry a label: give their share with "
                      "--completion-share (default 1.0, every position)")
     model = args.get("model_name_or_path")
     if model is not None and not isinstance(model, str):
