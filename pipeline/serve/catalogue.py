@@ -98,7 +98,8 @@ def accuracy() -> dict:
 # The words of a setting, as `estimate` names them (the answer's own fields), and their defaults.
 SETTING_WORDS = {"client": "loop", "precision": None, "lora_r": None, "quantization": None, "liger_kernel": False,
                  "num_gpus": 1, "sharding": None, "tensor_parallel": 1}
-CLIENT_NAMES = {"loop": "the standard loop", "trainer": "Trainer", "sft": "SFTTrainer", "dpo": "DPOTrainer"}
+CLIENT_NAMES = {"loop": "the standard loop", "trainer": "Trainer", "sft": "SFTTrainer", "dpo": "DPOTrainer",
+                "grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}
 SPLIT_ORDER = ("held-out", "tuned")  # rows no estimator was tuned on first
 SINGLE_GPU = "1 GPU"  # the validation's layout of one GPU (tables from before several GPUs have no layout column)
 
