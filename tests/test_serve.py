@@ -211,6 +211,9 @@ BAD = [
     ({**GRPO_QUESTION, "num_generations": 128}, "num_generations 128 is over the server's limit"),
     ({**GRPO_QUESTION, "max_completion_length": "long"}, "max_completion_length must be a positive integer"),
     ({**GRPO_QUESTION, "grpo_config": "grpo.yaml"}, "reads no paths"),
+    ({"axolotl_config": "axolotl.yaml", "method": "exact"}, "reads no paths"),
+    ({"llamafactory_config": {"stage": "kto", "cutoff_len": 512, "per_device_train_batch_size": 1},
+      "model": SMALL, "method": "exact"}, "stage 'kto' is not simulated"),
     ({**GRPO_QUESTION, "model": "Qwen/Qwen2.5-7B", "config": None, "use_vllm": True,
       "vllm_gpu_memory_utilization": 0.1, "gpu": "H100 80GB"}, "vLLM (colocate) would not start"),
 ]

@@ -29,7 +29,7 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
              training_args=None, num_gpus=None, sharding=None, adapter=None, liger_kernel=None, completion_share=None,
              sft_config=None, weights_dtype=None, declared_dtype=None, shard_group=None, tensor_parallel=None,
              accelerate_config=None, deepspeed=None, alloc_conf=None, rollout=None,
-             grpo_config=None) -> tuple[Run, list]:
+             grpo_config=None, axolotl_config=None, llamafactory_config=None) -> tuple[Run, list]:
     """The Run of the user's options, and notes. `training_args` (a TrainingArguments JSON path or dict)
     sets the trainer client and what it names, `sft_config` (TRL's SFT config, YAML or JSON) the sft
     client and what it names; an option given explicitly wins over a file's.
@@ -44,19 +44,12 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
              "optim": optim, "gradient_accumulation": gradient_accumulation, "liger_kernel": liger_kernel,
              "adapter": adapter, "num_gpus": num_gpus, "sharding": sharding}
     notes, from_file = [], {}
-    if sum(f is not None for f in (training_args, sft_config, grpo_config)) > 1:
-        raise UserError("give one training file: training arguments (--training-args), an SFT config (--sft-config) "
-                        "or a GRPO / RLOO config (--grpo-config)")
-    if training_args is not None:
-        from_file = read_training_args(training_args)
-    elif sft_config is not None:
-        from pipeline.estimate.sft_config import read_sft_config
-
-        from_file = read_sft_config(sft_config)
-    elif grpo_config is not None:
-        from pipeline.estimate.sft_config import read_sft_config
-
-        from_file = read_sft_config(grpo_config, client or "grpo")
+    if sum(f is not None for f in (training_args, sft_config, grpo_config, axolotl_config, llamafactory_config)) > 1:
+        raise UserError("give one training file: training arguments (--training-args), an SFT config (--sft-config), "
+                        "a GRPO / RLOO config (--grpo-config), an Axolotl config (--axolotl-config) or a "
+                        "LLaMA-Factory config (--llamafactory-config)")
+    from_file = read_training_file(training_args, sft_config, grpo_config, axolotl_config, llamafactory_config,
+                                   client)
     if accelerate_config is not None:
         from pipeline.estimate.launch import read_accelerate_config
 
@@ -146,6 +139,26 @@ def vllm_notes(run: Run, target: Target, dev: Device | None) -> list:
             "and sleep mode are not modelled"]
 
 
+def read_training_file(training_args, sft_config, grpo_config, axolotl_config, llamafactory_config,
+                       client) -> dict:
+    """The settings of the one training file given (a path or its parsed dict), or {}."""
+    if training_args is not None:
+        return read_training_args(training_args)
+    from pipeline.estimate.sft_config import read_sft_config
+
+    if sft_config is not None:
+        return read_sft_config(sft_config)
+    if grpo_config is not None:
+        return read_sft_config(grpo_config, client or "grpo")
+    from pipeline.estimate.frameworks import read_axolotl_config, read_llamafactory_config
+
+    if axolotl_config is not None:
+        return read_axolotl_config(axolotl_config)
+    if llamafactory_config is not None:
+        return read_llamafactory_config(llamafactory_config)
+    return {}
+
+
 def rollout_columns(run: Run) -> dict:
     """The rollout as the run has it (TRL's defaults filled in), and whether a reference model is held."""
     from dataclasses import asdict
@@ -186,21 +199,24 @@ def with_deepspeed(from_file: dict, source, sharding) -> dict:
     return merged
 
 
-def model_of_file(model, config, params, sft_config) -> tuple:
-    """(model, notes): the SFT config's model_name_or_path when no model, config or parameter count is given."""
-    if sft_config is None or any(x is not None for x in (model, config, params)):
+def model_of_file(model, config, params, options: dict) -> tuple:
+    """(model, notes): the training file's model (an SFT / GRPO config's model_name_or_path, an Axolotl config's
+    base_model, a LLaMA-Factory config's model_name_or_path) when no model, config or parameter count is given."""
+    files = {k: options.get(k) for k in ("sft_config", "grpo_config", "axolotl_config", "llamafactory_config")}
+    given = {k: v for k, v in files.items() if v is not None}
+    if len(given) != 1 or any(x is not None for x in (model, config, params)):
         return model, []
-    from pipeline.estimate.sft_config import read_sft_config
-
-    named = read_sft_config(sft_config)["model"]
-    return named, ([f"sft config: the model is its model_name_or_path, {named}"] if named else [])
+    (kind, source), = given.items()
+    named = read_training_file(None, files["sft_config"], files["grpo_config"], files["axolotl_config"],
+                               files["llamafactory_config"], options.get("client"))["model"]
+    return named, ([f"{kind.replace('_', ' ')}: the model is the file's, {named}"] if named else [])
 
 
 RUN_OPTIONS = ("alloc_conf", "batch", "seq", "precision", "optimizer", "checkpointing", "attn_implementation",
                "expandable_segments",
                "client", "optim", "gradient_accumulation", "training_args", "num_gpus", "sharding", "liger_kernel",
                "completion_share", "sft_config", "weights_dtype", "shard_group", "tensor_parallel", "accelerate_config",
-               "deepspeed", "rollout", "grpo_config")
+               "deepspeed", "rollout", "grpo_config", "axolotl_config", "llamafactory_config")
 ROLLOUT_OPTIONS = ("num_generations", "max_completion_length", "beta", "use_vllm", "vllm_mode",
                    "vllm_gpu_memory_utilization")
 
@@ -213,7 +229,7 @@ def prepared(what: dict, options: dict, method, coefficients, dev: Device | None
     from pipeline.estimate.targets import declared_weights_dtype
 
     what = dict(what)
-    what["model"], notes = model_of_file(what["model"], what["config"], what["params"], options.get("sft_config"))
+    what["model"], notes = model_of_file(what["model"], what["config"], what["params"], options)
     adapter = adapter_from_options(*(options.get(k) for k in ("lora_r", "lora_alpha", "lora_targets", "quantization",
                                                               "peft_config")))
     options = {**options, "rollout": {k: options[k] for k in ROLLOUT_OPTIONS if options.get(k) is not None}}
@@ -240,7 +256,7 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
              completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
              accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
              max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None, vllm_gpu_memory_utilization=None,
-             grpo_config=None) -> dict:
+             grpo_config=None, axolotl_config=None, llamafactory_config=None) -> dict:
     """Peak memory of a training step at (batch, seq), with its components (bytes).
 
     Give one of `model` (registry or Hub id), `config` (config.json path, its dict, or a
@@ -284,6 +300,11 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
     `max_completion_length` tokens each (every completion runs to it: the worst case), `beta` > 0 a reference
     model; `grpo_config` a GRPOConfig / RLOOConfig file (YAML or JSON) as `sft_config`. The answer's
     `peak_phase` says where the peak falls: generation, log-probs, forward, backward or optimizer.
+
+    Frameworks' files: `axolotl_config` (an Axolotl YAML) and `llamafactory_config` (a LLaMA-Factory training
+    YAML), a path or the parsed dict: the run they launch (their Trainer, or TRL's for dpo / grpo stages; model,
+    batch, length, precision, checkpointing, LoRA / QLoRA, Liger, DeepSpeed, FSDP); a key that changes memory in a
+    way not simulated yet is refused in one line naming it. Explicit options win.
 
     `method`: blog, heuristic, formula or exact; None: heuristic, or exact for DeepSpeed and the online RL
     clients (the closed forms model neither).
@@ -350,7 +371,8 @@ def max_batch_size(model=None, config=None, params=None, *, seq=None, precision=
                    completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
                    accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
                    max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None,
-                   vllm_gpu_memory_utilization=None, grpo_config=None) -> int:
+                   vllm_gpu_memory_utilization=None, grpo_config=None, axolotl_config=None,
+                   llamafactory_config=None) -> int:
     """The largest batch that fits the GPU at sequence length `seq` (0: none), by the fit verdict;
     the options are `estimate`'s."""
     options = dict(locals(), batch=1)
@@ -367,7 +389,8 @@ def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=N
                 completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
                 accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
                 max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None,
-                vllm_gpu_memory_utilization=None, grpo_config=None) -> int:
+                vllm_gpu_memory_utilization=None, grpo_config=None, axolotl_config=None,
+                llamafactory_config=None) -> int:
     """The longest sequence that fits the GPU at batch size `batch` (0: none), by the fit verdict,
     at most the model's context length when its config gives one; the options are `estimate`'s."""
     options = dict(locals(), seq=1)
@@ -399,7 +422,8 @@ def layouts(model=None, config=None, params=None, *, batch=None, seq=None, preci
             lora_targets=None, quantization=None, peft_config=None, liger_kernel=None, completion_share=None,
             sft_config=None, weights_dtype=None, accelerate_config=None, min_gpus=False, deepspeed=None,
             alloc_conf=None, num_generations=None, max_completion_length=None, beta=None, use_vllm=None,
-            vllm_mode=None, vllm_gpu_memory_utilization=None, grpo_config=None) -> dict:
+            vllm_mode=None, vllm_gpu_memory_utilization=None, grpo_config=None, axolotl_config=None,
+            llamafactory_config=None) -> dict:
     """The layouts that fit a GPU: a table of layouts (ddp, fsdp, fsdp-no-reshard; the loop also hsdp across nodes
     and tensor parallelism within one) for N = 1, 2, 4, ... up to `num_gpus` (default 8), each with its per-GPU
     peak, reserved bytes and verdict; with `min_gpus` the fewest GPUs that fit (doubling up to `num_gpus`, default

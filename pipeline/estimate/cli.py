@@ -50,6 +50,14 @@ def add_cli(subparsers) -> None:
                         help="TRL's SFT config (YAML or JSON, as `trl sft --config` takes it): the sft client with its "
                              "batch, max_length, accumulation, bf16/fp16, dtype, checkpointing, optim, LoRA/QLoRA, Liger "
                              "and model_name_or_path; explicit options win")
+    parser.add_argument("--axolotl-config", default=None, metavar="FILE",
+                        help="an Axolotl config (YAML, as `axolotl train` takes it): its model, micro batch, "
+                             "sequence_len, adapter, precision, checkpointing, optimizer, DeepSpeed / FSDP and rl stage; "
+                             "explicit options win")
+    parser.add_argument("--llamafactory-config", default=None, metavar="FILE",
+                        help="a LLaMA-Factory training config (YAML, as `llamafactory-cli train` takes it): its model, "
+                             "stage, batch, cutoff_len, finetuning type, quantization, precision, DeepSpeed; explicit "
+                             "options win")
     parser.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="gradient checkpointing (the sft client's default: on)")
     parser.add_argument("--liger-kernel", action="store_true", default=None,
@@ -143,10 +151,13 @@ def _estimate_command(args) -> int:
         raise UserError(f"{searching} needs --gpu NAME or --gpu-memory GIB")
     if args.grpo_config is not None and args.client is None:
         args.client = "grpo"
-    if args.seq is None and not args.max_seq_len and args.sft_config is None:
-        raise UserError("--seq L is required (unless --max-seq-len, or an --sft-config with max_length)")
-    if args.model is None and args.config is None and args.params is None and args.sft_config is None:
-        raise UserError("give one of --model, --config and --params (or an --sft-config naming model_name_or_path)")
+    files = [args.sft_config, args.axolotl_config, args.llamafactory_config]
+    if args.seq is None and not args.max_seq_len and all(f is None for f in files):
+        raise UserError("--seq L is required (unless --max-seq-len, or a training file with its length: --sft-config, "
+                        "--axolotl-config, --llamafactory-config)")
+    if args.model is None and args.config is None and args.params is None and all(
+            f is None for f in [*files, args.grpo_config]):
+        raise UserError("give one of --model, --config and --params (or a training file naming its model)")
     options = dict(vars(args), batch=1 if args.max_batch_size and args.batch is None else args.batch,
                    seq=1 if args.max_seq_len and args.seq is None else args.seq, gpu_memory_gib=args.gpu_memory)
     if args.layouts or args.min_gpus:  # the layouts are the answer's: the question is the run on one GPU

@@ -41,7 +41,8 @@ LAYOUT_FIELDS = ("sharding", "shard_group", "tensor_parallel")
 # Fields the server will not take from a request, and why.
 REFUSED = {"coefficients": "the server answers with its own coefficient file"}
 # Fields that are JSON objects (the library also takes a path: the server does not).
-OBJECTS = ("config", "training_args", "peft_config", "sft_config", "accelerate_config", "deepspeed", "grpo_config")
+OBJECTS = ("config", "training_args", "peft_config", "sft_config", "accelerate_config", "deepspeed", "grpo_config",
+           "axolotl_config", "llamafactory_config")
 INTEGERS = ("batch", "seq", "num_gpus", "shard_group", "tensor_parallel", "gradient_accumulation", "lora_r",
             "lora_alpha", "num_generations", "max_completion_length")
 BOOLEANS = ("checkpointing", "expandable_segments", "liger_kernel", "use_vllm", *SEARCHES)
@@ -75,7 +76,7 @@ def check(question) -> dict:
     for name in OBJECTS:
         if name in q and not isinstance(q[name], dict):
             raise UserError(f"{name} must be a JSON object (the content of the file); the server reads no paths")
-    for name in ("training_args", "sft_config", "grpo_config"):
+    for name in ("training_args", "sft_config", "grpo_config", "axolotl_config", "llamafactory_config"):
         if isinstance(q.get(name, {}).get("deepspeed"), str):
             raise UserError(f"{name}'s deepspeed names a file; the server reads no paths: give the DeepSpeed config "
                             "as the deepspeed object")

@@ -1,0 +1,213 @@
+"""The config files of the fine-tuning frameworks people launch, read as the run they start (without torch):
+Axolotl's YAML (`axolotl train FILE`) and LLaMA-Factory's (`llamafactory-cli train FILE`).
+
+Both train with transformers' Trainer underneath (their own subclasses: the whole (B, L, V) logits, not TRL's fused
+head) for supervised fine-tuning and pre-training, and with TRL's trainers for preference and online RL stages, so
+a file maps to this project's clients: `trainer` for sft / pt, `dpo` and `grpo` for those stages. What a key sets
+(the model, batch, length, accumulation, precision, checkpointing, optimizer, LoRA / QLoRA, Liger, DeepSpeed, FSDP,
+the schedule's numbers) goes where the other inputs put it; a key that changes memory in a way not simulated yet
+(packing, a stage or adapter kind, FSDP's CPU offload, activation offloading, Axolotl's plugins) stops the answer
+with one line naming it, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from pipeline.core.errors import UserError
+from pipeline.core.text import short
+
+# Axolotl's Liger plugin applies the kernels these keys turn on; the estimate applies Liger's kernels as
+# `use_liger_kernel` does (all of those the model takes)
+LIGER_KEYS = ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm",
+              "liger_fused_linear_cross_entropy")
+# Axolotl's attention keys: None is torch's SDPA (simulated), a name is a kernel the estimate answers as SDPA (flash)
+# or refuses
+AXOLOTL_ATTENTION = {"flash_attention": "FlashAttention-2", "sdp_attention": None, "xformers_attention": "xformers",
+                     "flex_attention": "flex attention", "s2_attention": "shifted-sparse attention"}
+
+
+def read_axolotl_config(source) -> dict:
+    """The run an Axolotl config launches (the settings `read_sft_config` returns, `training_args` keys included)."""
+    from pipeline.estimate.sft_config import _load
+
+    args, label = _load(source, "axolotl config")
+    refuse(args, label, {
+        "sample_packing": "sample packing (several sequences per row) is not simulated yet",
+        "fsdp_offload_params": None,
+        "unfrozen_parameters": "partly frozen full fine-tuning (unfrozen_parameters) is not simulated",
+        "relora_steps": "ReLoRA is not simulated",
+        "activation_offloading": "activation offloading is not simulated",
+        "sequence_parallel_degree": "sequence parallelism is not simulated",
+        "tensor_parallel_size": "Axolotl's tensor parallelism is not simulated",
+        "context_parallel_size": "context parallelism is not simulated",
+    })
+    if (args.get("fsdp_config") or {}).get("fsdp_offload_params") or (args.get("fsdp_config") or {}).get(
+            "offload_params"):
+        raise UserError(f"{label}: fsdp_offload_params (FSDP's CPU offload) is not simulated yet")
+    if args.get("gradient_checkpointing") == "offload":
+        raise UserError(f"{label}: gradient_checkpointing: offload (activations on the host) is not simulated")
+    plugins = [p for p in (args.get("plugins") or []) if "liger" not in str(p).lower()]
+    liger = any("liger" in str(p).lower() for p in args.get("plugins") or []) and any(
+        args.get(key) for key in LIGER_KEYS)
+    if plugins:
+        raise UserError(f"{label}: plugins {', '.join(map(str, plugins))} change the step in ways not simulated "
+                        "(Liger's plugin is)")
+    rl = args.get("rl")
+    client = {None: "trainer", "dpo": "dpo", "grpo": "grpo"}.get(rl)
+    if client is None:
+        raise UserError(f"{label}: rl {short(rl)} is not simulated (dpo and grpo are)")
+    adapter = axolotl_adapter(args, label)
+    notes = attention_notes(args, label)
+    settings = framework_settings(
+        args, label, client=client, model=args.get("base_model"), batch_key="micro_batch_size",
+        seq=args.get("sequence_len", 2048), seq_key="sequence_len", adapter=adapter,
+        checkpointing=bool(args.get("gradient_checkpointing", False)), optim=args.get("optimizer"),
+        liger=liger, notes=notes,
+        schedule={"learning_rate": args.get("learning_rate"), "weight_decay": args.get("weight_decay"),
+                  "warmup_steps": args.get("warmup_steps", args.get("warmup_ratio")),
+                  "max_steps": args.get("max_steps"), "lr_scheduler_type": args.get("lr_scheduler"),
+                  "max_grad_norm": args.get("max_grad_norm")})
+    if client == "grpo":
+        trl = args.get("trl") or {}
+        settings["rollout"] = {k: trl[k] for k in ("num_generations", "max_completion_length", "beta",
+                                                   "use_vllm", "vllm_mode") if trl.get(k) is not None}
+    fsdp = args.get("fsdp") or args.get("fsdp_config")
+    if fsdp and str(args.get("fsdp_version", "1")) != "2":
+        settings["notes"].append(f"{label}: FSDP version 1 (Axolotl's default without fsdp_version: 2) is "
+                                 "answered as FSDP2 (the same sharding per decoder layer)")
+    from pipeline.estimate.training_args import with_fsdp
+
+    with_fsdp(settings, {"fsdp": "full_shard auto_wrap" if fsdp else None, "fsdp_config": fsdp_config(args),
+                         "deepspeed": args.get("deepspeed")}, label)
+    return settings
+
+
+def read_llamafactory_config(source) -> dict:
+    """The run a LLaMA-Factory training config launches (the settings `read_sft_config` returns)."""
+    from pipeline.estimate.sft_config import _load
+
+    args, label = _load(source, "llamafactory config")
+    stage = args.get("stage", "sft")
+    client = {"sft": "trainer", "pt": "trainer", "dpo": "dpo"}.get(stage)
+    if client is None:
+        raise UserError(f"{label}: stage {short(stage)} is not simulated (sft, pt and dpo are)")
+    packing = args.get("packing")
+    if packing or (packing is None and stage == "pt") or args.get("neat_packing"):
+        raise UserError(f"{label}: packing (several sequences per row; LLaMA-Factory packs pt by default) is not "
+                        "simulated yet: set packing: false")
+    refuse(args, label, {"use_unsloth": "Unsloth's kernels are not simulated",
+                         "use_badam": "BAdam is not simulated", "use_galore": "GaLore is not simulated",
+                         "use_apollo": "APOLLO is not simulated", "use_dora": "DoRA is not simulated",
+                         "pissa_init": None, "use_llama_pro": "LLaMA Pro is not simulated",
+                         "shift_attn": "shifted-sparse attention is not simulated"})
+    adapter = llamafactory_adapter(args, label)
+    notes = []
+    if args.get("flash_attn") == "fa2":
+        notes.append(f"{label}: flash_attn fa2 is answered with torch's SDPA flash path (the same saved tensors)")
+    settings = framework_settings(
+        args, label, client=client, model=args.get("model_name_or_path"), batch_key="per_device_train_batch_size",
+        seq=args.get("cutoff_len", 2048), seq_key="cutoff_len", adapter=adapter,
+        checkpointing=not args.get("disable_gradient_checkpointing", False), optim=args.get("optim"),
+        liger=bool(args.get("enable_liger_kernel", False)), notes=notes,
+        schedule={"learning_rate": args.get("learning_rate"), "weight_decay": args.get("weight_decay"),
+                  "warmup_steps": args.get("warmup_steps") or args.get("warmup_ratio"),
+                  "max_steps": args.get("max_steps"), "lr_scheduler_type": args.get("lr_scheduler_type"),
+                  "max_grad_norm": args.get("max_grad_norm")})
+    from pipeline.estimate.training_args import with_fsdp
+
+    with_fsdp(settings, {"fsdp": args.get("fsdp"), "fsdp_config": args.get("fsdp_config"),
+                         "deepspeed": args.get("deepspeed")}, label)
+    return settings
+
+
+def refuse(args: dict, label: str, keys: dict) -> None:
+    """One line for the first key of `keys` the file turns on (its value not false, empty or zero)."""
+    for key, why in keys.items():
+        if args.get(key) not in (None, False, 0, "", [], {}):
+            raise UserError(f"{label}: {key} is set: {why or key + ' is not simulated yet'}")
+
+
+def attention_notes(args: dict, label: str) -> list:
+    for key, name in AXOLOTL_ATTENTION.items():
+        if args.get(key) and name is not None:
+            if key != "flash_attention":
+                raise UserError(f"{label}: {key} ({name}) is not simulated")
+            return [f"{label}: flash_attention ({name}) is answered with torch's SDPA flash path (the same saved "
+                    "tensors)"]
+    return []
+
+
+def axolotl_adapter(args: dict, label: str):
+    from pipeline.training.adapters import AdapterSpec
+
+    kind = args.get("adapter")
+    if kind in (None, ""):
+        if args.get("load_in_4bit") or args.get("load_in_8bit"):
+            raise UserError(f"{label}: a quantized base (load_in_4bit / load_in_8bit) trains adapters only: set "
+                            "adapter: lora or qlora")
+        return None
+    if kind not in ("lora", "qlora"):
+        raise UserError(f"{label}: adapter {short(kind)} is not simulated (lora and qlora are)")
+    if kind == "qlora" and not args.get("load_in_4bit"):
+        raise UserError(f"{label}: adapter qlora needs load_in_4bit: true (Axolotl refuses it otherwise)")
+    quantization = "nf4" if args.get("load_in_4bit") else "int8" if args.get("load_in_8bit") else None
+    targets = "all-linear" if args.get("lora_target_linear") else args.get("lora_target_modules")
+    if not targets:
+        raise UserError(f"{label}: LoRA needs lora_target_modules or lora_target_linear: true (Axolotl refuses it "
+                        "otherwise)")
+    r = args.get("lora_r", 8)
+    return AdapterSpec.make(r, args.get("lora_alpha", r * 2), targets if isinstance(targets, str) else
+                            ",".join(map(str, targets)), quantization)
+
+
+def llamafactory_adapter(args: dict, label: str):
+    from pipeline.training.adapters import AdapterSpec
+
+    kind = args.get("finetuning_type", "lora")
+    bits = args.get("quantization_bit")
+    if kind == "full":
+        if bits:
+            raise UserError(f"{label}: quantization_bit with finetuning_type full: a quantized base trains adapters "
+                            "only")
+        return None
+    if kind != "lora":
+        raise UserError(f"{label}: finetuning_type {short(kind)} is not simulated (lora and full are)")
+    method = args.get("quantization_method", "bitsandbytes")
+    if bits and method not in ("bitsandbytes", "bnb"):
+        raise UserError(f"{label}: quantization_method {short(method)} is not simulated (bitsandbytes is)")
+    quantization = {None: None, 4: "nf4", 8: "int8"}.get(bits, "unknown")
+    if quantization == "unknown":
+        raise UserError(f"{label}: quantization_bit {short(bits)} is not simulated (4 and 8 are)")
+    target = args.get("lora_target", "all")
+    r = args.get("lora_rank", 8)
+    return AdapterSpec.make(r, args.get("lora_alpha", r * 2), "all-linear" if target == "all" else target,
+                            quantization)
+
+
+def fsdp_config(args: dict) -> dict | None:
+    """Axolotl's fsdp_config with its keys as accelerate names them (`fsdp_` prefixed)."""
+    config = args.get("fsdp_config")
+    if not isinstance(config, dict):
+        return config
+    return {key if key.startswith("fsdp_") else f"fsdp_{key}": value for key, value in config.items()
+            if key not in ("fsdp_version", "version")}
+
+
+def framework_settings(args: dict, label: str, *, client: str, model, batch_key: str, seq, seq_key: str, adapter,
+                       checkpointing: bool, optim, liger: bool, notes: list, schedule: dict) -> dict:
+    """The settings dict of a framework's file (the shape `read_sft_config` returns)."""
+    from pipeline.estimate.training_args import positive_int_option
+    from pipeline.training.hyperparameters import Hyperparameters
+
+    bf16, fp16 = args.get("bf16"), args.get("fp16")
+    if bf16 not in (None, True, False, "auto") or fp16 not in (None, True, False, "auto"):
+        raise UserError(f"{label}: bf16 and fp16 must be true, false or auto, not {short(bf16)} / {short(fp16)}")
+    half = "fp16" if fp16 is True else "bf16" if bf16 in (True, "auto") else None
+    if model is not None and not isinstance(model, str):
+        raise UserError(f"{label}: the model must be a model id, not {short(model)}")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0):
+        raise UserError(f"{label}: {seq_key} must be a positive whole number, not {short(seq)}")
+    return {"client": client, "batch": positive_int_option(args, batch_key, label),
+            "seq": seq, "gradient_accumulation": positive_int_option(args, "gradient_accumulation_steps", label),
+            "autocast": half, "checkpointing": checkpointing, "optim": optim, "liger_kernel": liger,
+            "adapter": adapter, "weights": "bf16" if half == "bf16" else None, "model": model, "notes": notes,
+            "hyperparameters": Hyperparameters.of({k: v for k, v in schedule.items() if v is not None}, label)}

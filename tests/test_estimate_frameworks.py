@@ -1,0 +1,88 @@
+"""The frameworks' files (issue 36, first part): an Axolotl config and a LLaMA-Factory config read as the run
+they launch (pipeline.estimate.frameworks), answered as the same run asked with explicit options, and the keys
+that change memory in ways not simulated yet refused in one line naming them. The files under
+tests/data/frameworks/ are written in the shape of the frameworks' documented examples."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO
+
+from pipeline.core.errors import UserError
+from pipeline.estimate.api import make_run
+
+FILES = REPO / "tests" / "data" / "frameworks"
+
+
+def test_an_axolotl_qlora_fsdp_recipe_is_its_run():
+    run, notes = make_run(axolotl_config=str(FILES / "axolotl_qlora_fsdp.yaml"), num_gpus=2)
+    assert (run.client, run.batch, run.seq, run.gradient_accumulation, run.precision, run.checkpointing, run.optim) \
+        == ("trainer", 1, 512, 4, "bf16-autocast", True, "adamw_torch")
+    assert (run.adapter.r, run.adapter.alpha, run.adapter.targets, run.adapter.quantization) == \
+        (8, 16, "all-linear", "nf4")
+    assert run.sharding == "fsdp" and run.num_gpus == 2
+    assert run.hyperparameters.warmup_steps == 10 and run.hyperparameters.lr_scheduler_type == "cosine"
+    assert any("FlashAttention-2" in n for n in notes) and any("FSDP version 1" in n for n in notes)
+
+
+def test_a_llamafactory_qlora_example_is_its_run():
+    run, _ = make_run(llamafactory_config=str(FILES / "llamafactory_qlora_sft.yaml"))
+    assert (run.client, run.batch, run.seq, run.gradient_accumulation, run.precision, run.checkpointing) == \
+        ("trainer", 1, 2048, 8, "bf16-autocast", True)  # LLaMA-Factory checkpoints unless disabled
+    assert (run.adapter.r, run.adapter.alpha, run.adapter.targets, run.adapter.quantization) == \
+        (8, 16, "all-linear", "nf4")
+    assert run.hyperparameters.warmup_steps == 0.1  # warmup_ratio: below 1, the share of the steps
+    dpo, _ = make_run(llamafactory_config=str(FILES / "llamafactory_full_dpo.yaml"))
+    assert (dpo.client, dpo.batch, dpo.seq, dpo.adapter) == ("dpo", 2, 512, None)
+
+
+def test_an_axolotl_file_answers_as_its_explicit_options():
+    """Qwen2.5-0.5B, LoRA r=16 on the attention projections, Liger's plugin, micro batch 2 of 1,024 tokens, K=2:
+    the file's answer is the explicit question's, peak and reserved."""
+    from pipeline.estimate import estimate
+
+    from_file = estimate(axolotl_config=str(FILES / "axolotl_lora.yaml"), method="exact", gpu="RTX 4090")
+    explicit = estimate("Qwen/Qwen2.5-0.5B", client="trainer", batch=2, seq=1024, gradient_accumulation=2,
+                        precision="bf16-autocast", checkpointing=True, optim="adamw_torch_fused", lora_r=16,
+                        lora_alpha=32, lora_targets="q_proj,k_proj,v_proj,o_proj", liger_kernel=True,
+                        method="exact", gpu="RTX 4090")
+    assert from_file["model_id"] == "Qwen/Qwen2.5-0.5B" and from_file["liger_kernel"]
+    assert from_file["peak_bytes"] == explicit["peak_bytes"] > 0
+    assert from_file["peak_reserved_bytes"] == explicit["peak_reserved_bytes"] and from_file["fits"]
+
+
+@pytest.mark.parametrize("kind, changes, words", [
+    ("axolotl", {"sample_packing": True}, "sample_packing is set: sample packing"),
+    ("axolotl", {"rl": "kto"}, "rl 'kto' is not simulated"),
+    ("axolotl", {"plugins": ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"]}, "plugins"),
+    ("axolotl", {"fsdp_config": {"fsdp_offload_params": True}}, "fsdp_offload_params"),
+    ("axolotl", {"adapter": "ia3"}, "adapter 'ia3' is not simulated"),
+    ("axolotl", {"gradient_checkpointing": "offload"}, "gradient_checkpointing: offload"),
+    ("axolotl", {"xformers_attention": True, "flash_attention": False}, "xformers_attention"),
+    ("llamafactory", {"stage": "pt"}, "packing"),
+    ("llamafactory", {"stage": "kto"}, "stage 'kto' is not simulated"),
+    ("llamafactory", {"finetuning_type": "freeze"}, "finetuning_type 'freeze'"),
+    ("llamafactory", {"quantization_bit": 2, "quantization_method": "hqq"}, "quantization_method 'hqq'"),
+    ("llamafactory", {"use_galore": True}, "use_galore is set"),
+    ("llamafactory", {"bf16": "yes"}, "bf16 and fp16 must be true, false or auto"),
+])
+def test_keys_not_simulated_are_refused_in_one_line(kind, changes, words):
+    import yaml
+
+    name = "axolotl_lora.yaml" if kind == "axolotl" else "llamafactory_qlora_sft.yaml"
+    config = {**yaml.safe_load((FILES / name).read_text()), **changes}
+    with pytest.raises(UserError, match=None) as error:
+        make_run(**{f"{kind}_config": config})
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_command_says_why_not_in_one_line(tmp_path):
+    """Axolotl's QLoRA + FSDP recipe on 2 GPUs: the run it launches is read, and the answer is the simulator's
+    one line on what it does not run yet (QLoRA under FSDP2), exit 2."""
+    from conftest import pipeline
+
+    result = pipeline("estimate", "--axolotl-config", FILES / "axolotl_qlora_fsdp.yaml", "--num-gpus", 2, "--method",
+                      "exact", "--gpu", "RTX 4090", cwd=tmp_path, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "error: QLoRA under FSDP2 is not simulated yet (accelerate leaves 4-bit weights " \
+        "out of the sharding); ddp is"
