@@ -105,8 +105,9 @@ def check(question) -> dict:
         raise UserError(f"ask for one of {', '.join(SEARCHES)}, not both {searches[0]} and {searches[1]}")
     if searches and "gpu" not in q and "gpu_memory_gib" not in q:
         raise UserError(f"{searches[0]} needs the GPU: gpu (a name) or gpu_memory_gib")
-    if "seq" not in q and not q.get("max_seq_len"):
-        raise UserError("seq is required (unless max_seq_len)")
+    if "seq" not in q and not q.get("max_seq_len") and not any(
+            name in q for name in ("sft_config", "axolotl_config", "llamafactory_config")):
+        raise UserError("seq is required (unless max_seq_len, or a training file with its length)")
     if q.get("layouts") or q.get("min_gpus"):
         check_layouts_question(q)
     check_limits(q)
