@@ -30,6 +30,7 @@ from pipeline.training.step import STEPS, Setting, mixed_precision_args
 
 TOKEN = 2  # what the simulated sampler draws: neither pad (0) nor the unreachable eos
 
+
 def unavailable(client: str = "grpo") -> str | None:
     """Why GRPOTrainer / RLOOTrainer cannot run here (trl or datasets missing), or None."""
     from pipeline.training.sft import unavailable as sft_unavailable
