@@ -65,6 +65,12 @@ def test_an_axolotl_file_answers_as_its_explicit_options():
     ("llamafactory", {"quantization_bit": 2, "quantization_method": "hqq"}, "quantization_method 'hqq'"),
     ("llamafactory", {"use_galore": True}, "use_galore is set"),
     ("llamafactory", {"bf16": "yes"}, "bf16 and fp16 must be true, false or auto"),
+    ("axolotl", {"rl": ["dpo"]}, "rl must be a text"),
+    ("axolotl", {"fsdp_config": ["full_shard"]}, "fsdp_config must be a mapping"),
+    ("axolotl", {"rl": "grpo", "trl": "fast"}, "trl must be a mapping"),
+    ("axolotl", {"lora_r": "eight"}, "lora_r must be a whole number"),
+    ("llamafactory", {"stage": ["sft"]}, "stage must be a text"),
+    ("llamafactory", {"quantization_bit": {"bits": 4}}, "quantization_bit must be a whole number"),
 ])
 def test_keys_not_simulated_are_refused_in_one_line(kind, changes, words):
     import yaml

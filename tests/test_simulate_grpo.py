@@ -115,6 +115,17 @@ def test_bad_rollouts_are_refused_in_one_line(options, message):
         estimate(config={**TINY_LLAMA}, precision="bf16-autocast", **options)
 
 
+def test_the_generation_batch_counts_every_gpu():
+    """TRL's generation batch is per_device_train_batch_size x GPUs x steps_per_generation: 2 completions on each of
+    4 GPUs make one prompt's 8; on one GPU they do not."""
+    from pipeline.training.grpo import check
+    from pipeline.training.rollout import Rollout
+
+    check("grpo", Rollout(), batch=2, accumulation=1, seq=64, ranks=4)
+    with pytest.raises(UserError, match=r"batch 2 x steps_per_generation 1 = 2 completions"):
+        check("grpo", Rollout(), batch=2, accumulation=1, seq=64)
+
+
 def test_a_grpo_config_file_is_read_like_an_sft_config(tmp_path):
     from pipeline.estimate.api import make_run
 
@@ -128,6 +139,8 @@ def test_a_grpo_config_file_is_read_like_an_sft_config(tmp_path):
     assert run.adapter.r == 8
     explicit, _ = make_run(seq=128, client="grpo", grpo_config=str(path), weights_dtype="bf16", rollout={"beta": 0.0})
     assert explicit.rollout.beta == 0.0 and explicit.rollout.num_generations == 4
+    with pytest.raises(UserError, match="runs the grpo or rloo client, not sft"):
+        make_run(seq=128, client="sft", grpo_config=str(path))
 
 
 def test_the_command_answers_with_the_phases_and_refuses_in_one_line(tmp_path):

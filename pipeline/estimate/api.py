@@ -149,6 +149,8 @@ def read_training_file(training_args, sft_config, grpo_config, axolotl_config, l
     if sft_config is not None:
         return read_sft_config(sft_config)
     if grpo_config is not None:
+        if client not in (None, "grpo", "rloo"):
+            raise UserError(f"a GRPO / RLOO config (--grpo-config) runs the grpo or rloo client, not {client}")
         return read_sft_config(grpo_config, client or "grpo")
     from pipeline.estimate.frameworks import read_axolotl_config, read_llamafactory_config
 
@@ -174,6 +176,8 @@ def rollout_of(client: str, from_file: dict | None, given: dict | None):
     from pipeline.training.rollout import Rollout
 
     keys = {**(from_file or {}), **{k: v for k, v in (given or {}).items() if v is not None}}
+    if keys.get("use_vllm") is False and client not in ROLLOUT_CLIENTS:
+        keys.pop("use_vllm")
     if client not in ROLLOUT_CLIENTS:
         if keys:
             raise UserError(f"{', '.join(sorted(keys))}: GRPO's and RLOO's settings (--client grpo or rloo), not the "
@@ -239,6 +243,8 @@ def prepared(what: dict, options: dict, method, coefficients, dev: Device | None
     check_choice("method", method, METHODS)
     estimator, target = prepare(method, coefficients, what["model"], what["config"], what["params"],
                                 what["active_params"])
+    if run.rollout is not None and run.rollout.use_vllm:  # a colocated vLLM that cannot start: before any search
+        vllm_notes(run, target, dev)
     return estimator, target, limited(run, dev), [*notes, *file_notes]
 
 

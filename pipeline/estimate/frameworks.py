@@ -40,8 +40,9 @@ def read_axolotl_config(source) -> dict:
         "tensor_parallel_size": "Axolotl's tensor parallelism is not simulated",
         "context_parallel_size": "context parallelism is not simulated",
     })
-    if (args.get("fsdp_config") or {}).get("fsdp_offload_params") or (args.get("fsdp_config") or {}).get(
-            "offload_params"):
+    config = typed(args, "fsdp_config", dict, label, {})
+    fsdp_list = typed(args, "fsdp", (list, str), label)
+    if config.get("fsdp_offload_params") or config.get("offload_params") or "offload" in str(fsdp_list or ""):
         raise UserError(f"{label}: fsdp_offload_params (FSDP's CPU offload) is not simulated yet")
     if args.get("gradient_checkpointing") == "offload":
         raise UserError(f"{label}: gradient_checkpointing: offload (activations on the host) is not simulated")
@@ -51,7 +52,7 @@ def read_axolotl_config(source) -> dict:
     if plugins:
         raise UserError(f"{label}: plugins {', '.join(map(str, plugins))} change the step in ways not simulated "
                         "(Liger's plugin is)")
-    rl = args.get("rl")
+    rl = typed(args, "rl", str, label)
     client = {None: "trainer", "dpo": "dpo", "grpo": "grpo"}.get(rl)
     if client is None:
         raise UserError(f"{label}: rl {short(rl)} is not simulated (dpo and grpo are)")
@@ -67,16 +68,20 @@ def read_axolotl_config(source) -> dict:
                   "max_steps": args.get("max_steps"), "lr_scheduler_type": args.get("lr_scheduler"),
                   "max_grad_norm": args.get("max_grad_norm")})
     if client == "grpo":
-        trl = args.get("trl") or {}
-        settings["rollout"] = {k: trl[k] for k in ("num_generations", "max_completion_length", "beta",
-                                                   "use_vllm", "vllm_mode") if trl.get(k) is not None}
-    fsdp = args.get("fsdp") or args.get("fsdp_config")
-    if fsdp and str(args.get("fsdp_version", "1")) != "2":
+        from pipeline.estimate.sft_config import ROLLOUT_KEYS
+
+        trl = typed(args, "trl", dict, label, {})
+        settings["rollout"] = {k: trl[k] for k in ROLLOUT_KEYS if trl.get(k) is not None}
+    fsdp = fsdp_list or config
+    version = config.get("fsdp_version", config.get("version", args.get("fsdp_version", 1)))
+    if fsdp and str(version) != "2":
         settings["notes"].append(f"{label}: FSDP version 1 (Axolotl's default without fsdp_version: 2) is "
                                  "answered as FSDP2 (the same sharding per decoder layer)")
     from pipeline.estimate.training_args import with_fsdp
 
-    with_fsdp(settings, {"fsdp": "full_shard auto_wrap" if fsdp else None, "fsdp_config": fsdp_config(args),
+    fsdp_text = " ".join(map(str, fsdp_list)) if isinstance(fsdp_list, list) else fsdp_list
+    with_fsdp(settings, {"fsdp": (fsdp_text or "full_shard auto_wrap") if fsdp else None,
+                         "fsdp_config": fsdp_config(config),
                          "deepspeed": args.get("deepspeed")}, label)
     return settings
 
@@ -86,7 +91,7 @@ def read_llamafactory_config(source) -> dict:
     from pipeline.estimate.sft_config import _load
 
     args, label = _load(source, "llamafactory config")
-    stage = args.get("stage", "sft")
+    stage = typed(args, "stage", str, label, "sft")
     client = {"sft": "trainer", "pt": "trainer", "dpo": "dpo"}.get(stage)
     if client is None:
         raise UserError(f"{label}: stage {short(stage)} is not simulated (sft, pt and dpo are)")
@@ -112,11 +117,29 @@ def read_llamafactory_config(source) -> dict:
                   "warmup_steps": args.get("warmup_steps") or args.get("warmup_ratio"),
                   "max_steps": args.get("max_steps"), "lr_scheduler_type": args.get("lr_scheduler_type"),
                   "max_grad_norm": args.get("max_grad_norm")})
+    if args.get("pure_bf16"):  # bf16 weights, no autocast
+        settings.update(autocast=None, weights="bf16")
     from pipeline.estimate.training_args import with_fsdp
 
     with_fsdp(settings, {"fsdp": args.get("fsdp"), "fsdp_config": args.get("fsdp_config"),
                          "deepspeed": args.get("deepspeed")}, label)
     return settings
+
+
+def typed(args: dict, key: str, kinds, label: str, default=None):
+    """`args[key]` (or `default` where absent or null) if it is of `kinds`, else one line naming the key."""
+    value = args.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or isinstance(value, bool) and bool not in (
+            kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise UserError(f"{label}: {key} must be a {describe(kinds)}, not {short(value)}")
+    return value
+
+
+def describe(kinds) -> str:
+    names = {str: "text", int: "whole number", float: "number", dict: "mapping", list: "list", bool: "true or false"}
+    return " or ".join(names.get(k, k.__name__) for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
 
 
 def refuse(args: dict, label: str, keys: dict) -> None:
@@ -139,7 +162,7 @@ def attention_notes(args: dict, label: str) -> list:
 def axolotl_adapter(args: dict, label: str):
     from pipeline.training.adapters import AdapterSpec
 
-    kind = args.get("adapter")
+    kind = typed(args, "adapter", str, label)
     if kind in (None, ""):
         if args.get("load_in_4bit") or args.get("load_in_8bit"):
             raise UserError(f"{label}: a quantized base (load_in_4bit / load_in_8bit) trains adapters only: set "
@@ -154,16 +177,16 @@ def axolotl_adapter(args: dict, label: str):
     if not targets:
         raise UserError(f"{label}: LoRA needs lora_target_modules or lora_target_linear: true (Axolotl refuses it "
                         "otherwise)")
-    r = args.get("lora_r", 8)
-    return AdapterSpec.make(r, args.get("lora_alpha", r * 2), targets if isinstance(targets, str) else
+    r = typed(args, "lora_r", int, label, 8)
+    return AdapterSpec.make(r, typed(args, "lora_alpha", int, label, r * 2), targets if isinstance(targets, str) else
                             ",".join(map(str, targets)), quantization)
 
 
 def llamafactory_adapter(args: dict, label: str):
     from pipeline.training.adapters import AdapterSpec
 
-    kind = args.get("finetuning_type", "lora")
-    bits = args.get("quantization_bit")
+    kind = typed(args, "finetuning_type", str, label, "lora")
+    bits = typed(args, "quantization_bit", int, label)
     if kind == "full":
         if bits:
             raise UserError(f"{label}: quantization_bit with finetuning_type full: a quantized base trains adapters "
@@ -177,17 +200,16 @@ def llamafactory_adapter(args: dict, label: str):
     quantization = {None: None, 4: "nf4", 8: "int8"}.get(bits, "unknown")
     if quantization == "unknown":
         raise UserError(f"{label}: quantization_bit {short(bits)} is not simulated (4 and 8 are)")
-    target = args.get("lora_target", "all")
-    r = args.get("lora_rank", 8)
-    return AdapterSpec.make(r, args.get("lora_alpha", r * 2), "all-linear" if target == "all" else target,
+    target = typed(args, "lora_target", str, label, "all")
+    r = typed(args, "lora_rank", int, label, 8)
+    return AdapterSpec.make(r, typed(args, "lora_alpha", int, label, r * 2), "all-linear" if target == "all" else target,
                             quantization)
 
 
-def fsdp_config(args: dict) -> dict | None:
+def fsdp_config(config: dict) -> dict | None:
     """Axolotl's fsdp_config with its keys as accelerate names them (`fsdp_` prefixed)."""
-    config = args.get("fsdp_config")
-    if not isinstance(config, dict):
-        return config
+    if not config:
+        return None
     return {key if key.startswith("fsdp_") else f"fsdp_{key}": value for key, value in config.items()
             if key not in ("fsdp_version", "version")}
 

@@ -46,13 +46,14 @@ def largest_batch(estimator: Estimator, target: Target, run: Run, dev: Device, l
 
 def batch_unit(run: Run) -> int:
     """The step between the batches a run's client takes: GRPO and RLOO generate `batch x steps_per_generation`
-    completions, a multiple of num_generations (`training.grpo.check`); 1 for the other clients."""
+    completions on each data-parallel rank, together a multiple of num_generations (`training.grpo.check`); 1 for
+    the other clients."""
     if run.rollout is None:
         return 1
     import math
 
     full = run.rollout.defaults(run.client)
-    steps = full.steps_per_generation or run.gradient_accumulation
+    steps = (full.steps_per_generation or run.gradient_accumulation) * run.layout.data_parallel
     return full.num_generations // math.gcd(full.num_generations, steps)
 
 

@@ -45,6 +45,12 @@ UNMODELLED = {
 }
 
 
+# What each kind of training file is, for the messages about one that cannot be read
+FILE_KINDS = {"sft config": "an SFT config, as `trl sft --config` takes it",
+              "grpo config": "a GRPO config, as `trl grpo --config` takes it",
+              "rloo config": "an RLOO config, as `trl rloo --config` takes it",
+              "axolotl config": "an Axolotl config, as `axolotl train` takes it",
+              "llamafactory config": "a LLaMA-Factory config, as `llamafactory-cli train` takes it"}
 # GRPOConfig / RLOOConfig keys of the rollout (`training.rollout.Rollout`)
 ROLLOUT_KEYS = ("num_generations", "max_completion_length", "beta", "steps_per_generation", "num_iterations",
                 "loss_type", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")
@@ -63,6 +69,8 @@ def read_sft_config(source, client: str = "sft") -> dict:
     rollout = None
     if client in ("grpo", "rloo"):
         rollout = {k: args[k] for k in ROLLOUT_KEYS if k in args}
+        unmodelled = [k for k in ("generation_batch_size", "vllm_enable_sleep_mode", "cast_lm_head_to_fp32",
+                                  "vllm_tensor_parallel_size") if args.get(k) not in (None, False)]
         args = {k: v for k, v in args.items() if k not in ROLLOUT_KEYS and k != "max_length"}
     for key in FLAGS:
         check_flag(args, key, label)
@@ -108,6 +116,7 @@ def read_sft_config(source, client: str = "sft") -> dict:
                 "hyperparameters": Hyperparameters.of(args, label)}
     if rollout is not None:
         settings["rollout"] = rollout
+        notes += [f"{client} config: {key} is not modelled" for key in unmodelled]
     with_fsdp(settings, args, label)
     return settings
 
@@ -128,13 +137,10 @@ def _load(source, label: str = "sft config") -> tuple[dict, str]:
         raise UserError(f"{path}: {label} not found") from None
     except (OSError, UnicodeDecodeError):
         raise UserError(f"{path}: {label} cannot be read") from None
-    kind = label.split()[0].upper()
-    article = "a" if kind == "GRPO" else "an"
-    data = parse_yaml(text, str(path), f"not YAML or JSON ({article} {kind} config as `trl {kind.lower()} --config` "
-                                       "takes)")
+    what = FILE_KINDS.get(label, f"a {label}")
+    data = parse_yaml(text, str(path), f"not YAML or JSON ({what})")
     if not isinstance(data, dict):
-        raise UserError(f"{path}: not {article} {kind} config (a mapping of {kind}Config / ModelConfig options is "
-                        "expected)")
+        raise UserError(f"{path}: not {what.split(',')[0]} (a mapping of its options is expected)")
     return data, str(path)
 
 

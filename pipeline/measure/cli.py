@@ -62,7 +62,10 @@ def _measure_command(args) -> int:
     if args.rollout is not None:
         from pipeline.core.io import parse_json
 
-        rollout = Rollout.of(parse_json(args.rollout, "--rollout", "not JSON"), "--rollout", args.client)
+        keys = parse_json(args.rollout, "--rollout", "not JSON")
+        if not isinstance(keys, dict):
+            raise UserError("--rollout must be a JSON object of GRPOConfig keys")
+        rollout = Rollout.of(keys, "--rollout", args.client)
     setting = Setting(args.variant, args.optimizer, args.checkpointing, args.client, args.optim,
                       args.gradient_accumulation, adapter_from_arguments(args), args.liger_kernel, args.completion_share,
                       rollout=rollout)

@@ -39,21 +39,23 @@ def unavailable(client: str = "grpo") -> str | None:
     return reason.replace("client sft", f"client {client}") if reason else None
 
 
-def check(client: str, rollout: Rollout, batch: int, accumulation: int, seq: int | None = None) -> None:
-    """What TRL checks of the batch before it builds anything, said in one line: the generation batch must be a
-    whole number of prompts, each with num_generations completions; and the project's bound on the tokens of one
-    generation (`vocabulary.MAX_TOKENS`)."""
+def check(client: str, rollout: Rollout, batch: int, accumulation: int, seq: int | None = None,
+          ranks: int = 1) -> None:
+    """What TRL checks of the batch before it builds anything, said in one line: the generation batch (every
+    data-parallel rank's completions, `ranks` of them) must be a whole number of prompts, each with num_generations
+    completions; and the project's bound on the tokens one GPU generates (`vocabulary.MAX_TOKENS`)."""
     from pipeline.core.vocabulary import MAX_TOKENS
 
     full = rollout.defaults(client)
     steps = full.steps_per_generation or accumulation
-    generation = batch * steps
-    if seq is not None and generation * (seq + full.max_completion_length) > MAX_TOKENS:
-        raise UserError(f"{client}: a generation of {generation} completions of {seq} + {full.max_completion_length} "
-                        f"tokens is more than the {MAX_TOKENS:,} tokens this project estimates")
-    if generation % full.num_generations:
-        raise UserError(f"{client}: the generation batch (batch {batch} x steps_per_generation {steps} = "
-                        f"{generation} completions) must be a multiple of num_generations {full.num_generations}: "
+    local = batch * steps
+    if seq is not None and local * (seq + full.max_completion_length) > MAX_TOKENS:
+        raise UserError(f"{client}: a generation of {local} completions of {seq} + {full.max_completion_length} "
+                        f"tokens per GPU is more than the {MAX_TOKENS:,} tokens this project estimates")
+    if local * ranks % full.num_generations:
+        across = f" x {ranks} GPUs" if ranks > 1 else ""
+        raise UserError(f"{client}: the generation batch (batch {batch} x steps_per_generation {steps}{across} = "
+                        f"{local * ranks} completions) must be a multiple of num_generations {full.num_generations}: "
                         f"TRL refuses it before training (change --batch or --num-generations)")
 
 

@@ -32,7 +32,10 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
                                         prompt_dataset, rollout_arguments, tokenizer, trainer_class)
     from pipeline.training.sft import peft_config
 
-    check(setting.client, setting.rollout, batch, setting.gradient_accumulation)
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    check(setting.client, setting.rollout, batch, setting.gradient_accumulation, seq, ranks)
     vocab = vocabulary_size(model)
     eos_out_of_reach(model, vocab)
 

@@ -39,7 +39,7 @@ def rollout_peak(config, run: Run) -> Estimate:
     from pipeline.core.errors import UserError
     from pipeline.training.grpo import check, unavailable
 
-    check(run.client, run.rollout, run.batch, run.gradient_accumulation, run.seq)
+    check(run.client, run.rollout, run.batch, run.gradient_accumulation, run.seq)  # one GPU
 
     def make_trainer(model, setting, trace):
         return meta_rollout_trainer(model, setting, run.precision, run.batch, run.seq, "meta", trace.rules)

@@ -199,7 +199,7 @@ def trainer_of(model, run: Run, trace):
         from pipeline.simulate.clients.grpo import meta_rollout_trainer
         from pipeline.training.grpo import check
 
-        check(run.client, run.rollout, run.batch, run.gradient_accumulation, run.seq)
+        check(run.client, run.rollout, run.batch, run.gradient_accumulation, run.seq, run.layout.data_parallel)
         return meta_rollout_trainer(model, setting, run.precision, run.batch, run.seq, "meta", trace.rules)
     raise UserError(f"client {run.client} does not run on several GPUs here (the loop's sharded step does)")
 

@@ -176,7 +176,8 @@ def shadow_stand_ins(shadows: Shadows) -> dict:
 
     def to_host(func, args, kwargs):
         t, device = args[0], kwargs.get("device")
-        if t.device.type != "meta" or device is None or torch.device(device).type == "meta":
+        if t.device.type != "meta" or device is None or torch.device(device).type == "meta" \
+                or not hasattr(t, "_shadow"):
             return func(*args, **kwargs)
         return func(_shadow_of(t), *args[1:], **kwargs)  # `.cpu()` of token ids: their host values
 
