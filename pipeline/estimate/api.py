@@ -213,7 +213,8 @@ def model_of_file(model, config, params, options: dict) -> tuple:
     (kind, source), = given.items()
     named = read_training_file(None, files["sft_config"], files["grpo_config"], files["axolotl_config"],
                                files["llamafactory_config"], options.get("client"))["model"]
-    return named, ([f"{kind.replace('_', ' ')}: the model is the file's, {named}"] if named else [])
+    key = "base_model" if kind == "axolotl_config" else "model_name_or_path"
+    return named, ([f"{kind.replace('_', ' ')}: the model is its {key}, {named}"] if named else [])
 
 
 RUN_OPTIONS = ("alloc_conf", "batch", "seq", "precision", "optimizer", "checkpointing", "attn_implementation",
