@@ -123,7 +123,9 @@ def cli_text(question: dict, method: str) -> str:
              ("client", "--client"), ("optim", "--optim"), ("checkpointing", "--checkpointing"), ("lora_r", "--lora-r"),
              ("quantization", "--quantization"), ("num_gpus", "--num-gpus"), ("sharding", "--sharding"),
              ("shard_group", "--shard-group"), ("tensor_parallel", "--tensor-parallel"), ("gpu", "--gpu"),
-             ("liger_kernel", "--liger-kernel"), ("layouts", "--layouts"), ("min_gpus", "--min-gpus")]
+             ("liger_kernel", "--liger-kernel"), ("layouts", "--layouts"), ("min_gpus", "--min-gpus"),
+             ("num_generations", "--num-generations"), ("max_completion_length", "--max-completion-length"),
+             ("beta", "--beta")]
     source = f"--model {question['model']}" if "model" in question else "--config config.json"
     parts = ["python -m pipeline estimate", source]
     for key, flag in flags:
@@ -291,6 +293,39 @@ def test_sfttrainer_with_liger_is_asked_as_the_command_asks_it(page, server):
     assert expected["client"] == "sft" and expected["liger_kernel"] is True
     assert expected["precision"] == "bf16-autocast"
     check_numbers(s, expected, "the L4")
+    assert page.errors == []
+
+
+def test_grpo_is_asked_with_its_completions_and_answers_the_phase_of_its_peak(page, server):
+    """Client grpo on the page (issue 35): its rollout fields appear, the question carries them, the exact answer
+    is the command's and names the phase of its peak; the formula's refusal is a note while it waits."""
+    question = {"config": TINY_CONFIG, "batch": 8, "seq": 32, "weights_dtype": "bf16", "client": "grpo",
+                "optim": "adamw_torch_fused", "checkpointing": True, "gpu": "L4", "num_generations": 4,
+                "max_completion_length": 16, "beta": 0.04}
+    page.goto(server)
+    wait_for_models(page)
+    assert not page.is_visible("#num_generations")
+    page.check("input[name=source][value=config]")
+    page.fill("#config", json.dumps(TINY_CONFIG, indent=2))
+    page.fill("#batch", str(question["batch"]))
+    page.fill("#seq", str(question["seq"]))
+    page.select_option("#adapters", "none")
+    page.select_option("#precision", "bf16-autocast")
+    page.select_option("#client", "grpo")
+    assert page.is_checked("#checkpointing") and page.is_visible("#num_generations")
+    page.fill("#num_generations", str(question["num_generations"]))
+    page.fill("#max_completion_length", str(question["max_completion_length"]))
+    page.fill("#beta", str(question["beta"]))
+    page.select_option("#gpu", question["gpu"])
+    s = wait_for_answer(page, question, "exact", 180)
+    page.wait_for_timeout(300)
+    screenshot(page, "10-grpo-exact.png")
+    expected = cli_json({**question, "method": "exact"})
+    assert expected["client"] == "grpo" and expected["rollout"]["reference_model"]
+    check_numbers(s, expected, "the L4")
+    shown = page.inner_text("body")
+    assert f"peak in the {expected['peak_phase']}" in shown
+    assert f"generation {expected['phase_peaks']['generation'] / GIB:.2f} GiB" in shown
     assert page.errors == []
 
 

@@ -799,9 +799,12 @@ function drawBar(a) {
   const caption = document.createElement("p");
   caption.className = "hint";
   const formula = (a.peak_formula || "").trim();
+  // GRPO / RLOO: every phase of the step (generation and the log-prob passes beside the training micro-batch)
+  const phases = a.phase_peaks ? ` By phase: ${Object.entries(a.phase_peaks).map(([p, v]) => `${p} ${gib(v)}`)
+    .join(", ")}.` : "";
   caption.textContent = `${a.method}${a.peak_phase ? `, peak in the ${a.peak_phase}` : ""}: ${formula}`
-    + `${formula && !formula.endsWith(".") ? "." : ""} After the parts: the allocator's cached slack and what CUDA `
-    + "takes outside PyTorch; the red line is the GPU.";
+    + `${formula && !formula.endsWith(".") ? "." : ""}${phases} After the parts: the allocator's cached slack and `
+    + "what CUDA takes outside PyTorch; the red line is the GPU.";
   $("bar").replaceChildren(svg, legend, caption);
 }
 
@@ -967,7 +970,7 @@ async function start() {
   fillSelect("weights_dtype", info.weights_dtypes);
   fillSelect("client", info.clients, {loop: "loop (standard step)", trainer: "trainer (HF Trainer)",
     sft: "sft (TRL SFTTrainer)", dpo: "dpo (TRL DPOTrainer: batch = pairs)",
-    grpo: "grpo (TRL GRPOTrainer: batch = completions, seq = prompt)", rloo: "rloo (TRL RLOOTrainer)"});
+    grpo: "grpo (TRL GRPOTrainer)", rloo: "rloo (TRL RLOOTrainer)"});
   fillSelect("optimizer", info.optimizers);
   fillSelect("optim", info.optims);
   fillSelect("quantization", info.quantizations);
