@@ -149,7 +149,7 @@ def read_training_file(training_args, sft_config, grpo_config, axolotl_config, l
     if sft_config is not None:
         return read_sft_config(sft_config)
     if grpo_config is not None:
-        if client not in (None, "grpo", "rloo"):
+        if client not in (None, *ROLLOUT_CLIENTS):
             raise UserError(f"a GRPO / RLOO config (--grpo-config) runs the grpo or rloo client, not {client}")
         return read_sft_config(grpo_config, client or "grpo")
     from pipeline.estimate.frameworks import read_axolotl_config, read_llamafactory_config

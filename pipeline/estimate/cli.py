@@ -12,7 +12,8 @@ from pipeline.estimate.memo import one_question
 from pipeline.estimate.search import largest_batch, largest_seq
 from pipeline.training.values import GIB
 from pipeline.estimate.verdict import gpu_of
-from pipeline.core.vocabulary import CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, SHARDINGS, WEIGHTS_DTYPES
+from pipeline.core.vocabulary import (CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, ROLLOUT_CLIENTS, SHARDINGS,
+                                      WEIGHTS_DTYPES)
 
 
 def add_cli(subparsers) -> None:
@@ -235,7 +236,7 @@ def human_summary(result: dict) -> str:
     if result.get("vllm_pool_bytes"):
         lines.append(f"  vLLM's pool (colocate)   {result['vllm_pool_bytes'] / GIB:10.2f} GiB beside the step, in the "
                      "verdict")
-    if result.get("phase_peaks") and result["client"] in ("grpo", "rloo"):
+    if result.get("phase_peaks") and result["client"] in ROLLOUT_CLIENTS:
         lines.append("  peak in " + result["peak_phase"] + "; by phase: " + ", ".join(
             f"{phase} {value / GIB:.2f}" for phase, value in result["phase_peaks"].items()) + " GiB")
         steps = result["step_peaks"]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pipeline.formulas.coefficients import reserved_ratio, resolve_coefficients
 from pipeline.core.errors import UserError
-from pipeline.core.vocabulary import METHODS
+from pipeline.core.vocabulary import METHODS, ROLLOUT_CLIENTS
 from pipeline.training.values import Estimate, Run, Target
 from pipeline.formulas.components import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTES, BLOG_NOTES, BLOG_P, MEASURED_LIKE,
                                           OUTSIDE_MAX, PEAK_FORMULAS, blog_a_bytes, blog_components, blog_peak,
@@ -16,7 +16,7 @@ from pipeline.formulas.components import (ACTIVATION_BYTES, AMP_WEIGHT_COPY_BYTE
 # reserved bytes are its peak plus at most one partly used page of each.
 EXPANDABLE_SLACK = (20 + 2) << 20
 # Clients only the simulator answers: DPO's policy, reference and paired batches have no closed form.
-EXACT_ONLY_CLIENTS = ("dpo", "grpo", "rloo")
+EXACT_ONLY_CLIENTS = ("dpo", *ROLLOUT_CLIENTS)
 
 
 class Estimator:
@@ -207,12 +207,12 @@ class ExactEstimator(Estimator):
                      if run.client == "trainer" else "sft_peak (TRL's SFTTrainer run on the meta device)"
                      if run.client == "sft" else "dpo_peak (TRL's DPOTrainer and its reference model run on the "
                      "meta device)" if run.client == "dpo" else "rollout_peak (TRL's GRPOTrainer / RLOOTrainer, "
-                     "generation included, run on the meta device)" if run.client in ("grpo", "rloo") else "loop_peak")
+                     "generation included, run on the meta device)" if run.client in ROLLOUT_CLIENTS else "loop_peak")
         return Estimate(simulated.peak_bytes, simulated.components, {
             "activations_per_token": None, "activations_per_token_unit": None,
             "peak_phase": simulated.details.get("peak_phase"),
             **({key: simulated.details[key] for key in ("phase_peaks", "step_peaks")}
-               if run.client in ("grpo", "rloo") else {}),
+               if run.client in ROLLOUT_CLIENTS else {}),
             "notes": [f"simulated by pipeline.simulate.{simulator} (reserved: the caching allocator's "
                       "segments replayed)"],
             # ZeRO-Offload: the host memory per process (not in the GPU's verdict)

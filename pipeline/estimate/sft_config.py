@@ -13,10 +13,12 @@ named in the answer's notes (`UNMODELLED`), never silently dropped; booleans mus
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 from pipeline.core.errors import UserError
-from pipeline.core.vocabulary import WEIGHTS_DTYPE_OF_TORCH_NAME
+from pipeline.core.vocabulary import ROLLOUT_CLIENTS, WEIGHTS_DTYPE_OF_TORCH_NAME
+from pipeline.training.rollout import Rollout
 from pipeline.estimate.training_args import with_fsdp, check_flag, optim_name, positive_int_option
 
 MAX_LENGTH_DEFAULT = 1024  # SFTConfig.max_length (trl 1.16)
@@ -51,9 +53,8 @@ FILE_KINDS = {"sft config": "an SFT config, as `trl sft --config` takes it",
               "rloo config": "an RLOO config, as `trl rloo --config` takes it",
               "axolotl config": "an Axolotl config, as `axolotl train` takes it",
               "llamafactory config": "a LLaMA-Factory config, as `llamafactory-cli train` takes it"}
-# GRPOConfig / RLOOConfig keys of the rollout (`training.rollout.Rollout`)
-ROLLOUT_KEYS = ("num_generations", "max_completion_length", "beta", "steps_per_generation", "num_iterations",
-                "loss_type", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization")
+# GRPOConfig / RLOOConfig keys of the rollout (`training.rollout.Rollout`'s fields)
+ROLLOUT_KEYS = tuple(field.name for field in fields(Rollout))
 
 
 def read_sft_config(source, client: str = "sft") -> dict:
@@ -67,7 +68,7 @@ def read_sft_config(source, client: str = "sft") -> dict:
 
     args, label = _load(source, f"{client} config")
     rollout = None
-    if client in ("grpo", "rloo"):
+    if client in ROLLOUT_CLIENTS:
         rollout = {k: args[k] for k in ROLLOUT_KEYS if k in args}
         unmodelled = [k for k in ("generation_batch_size", "vllm_enable_sleep_mode", "cast_lm_head_to_fp32",
                                   "vllm_tensor_parallel_size") if args.get(k) not in (None, False)]

@@ -8,6 +8,7 @@ from pipeline.simulate.clients.grpo import rollout_peak
 from pipeline.simulate.predict import loop_peak
 from pipeline.simulate.clients.sft import sft_peak
 from pipeline.simulate.clients.trainer import trainer_peak
+from pipeline.core.vocabulary import ROLLOUT_CLIENTS
 from pipeline.training.values import Estimate, Run
 
 
@@ -23,7 +24,7 @@ def simulate(config, run: Run) -> Estimate:
         return sft_peak(config, run)
     if run.client == "dpo":
         return dpo_peak(config, run)
-    if run.client in ("grpo", "rloo"):
+    if run.client in ROLLOUT_CLIENTS:
         return rollout_peak(config, run)
     return loop_peak(config, run)
 

@@ -133,6 +133,34 @@ def config_class(client: str):
     return {"grpo": trl.GRPOConfig, "rloo": trl.RLOOConfig}[client]
 
 
+PHASE_METHODS = ("_generate", "_get_per_token_logps_and_entropies")
+
+
+def mark_phases(trainer, start) -> None:
+    """`start("generation")` where the trainer's `_generate` begins, `start("log-probs")` where it scores sequences
+    under no_grad (the reference's and the old policy's passes): the phases of a rollout, for the measurement's
+    tracker and the simulator's alike. The wrappers are the trainer's own attributes (`unmark_phases`)."""
+    import torch
+
+    generate, logps = (getattr(trainer, name) for name in PHASE_METHODS)
+
+    def generating(*args, **kwargs):
+        start("generation")
+        return generate(*args, **kwargs)
+
+    def scoring(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            start("log-probs")
+        return logps(*args, **kwargs)
+
+    trainer._generate, trainer._get_per_token_logps_and_entropies = generating, scoring
+
+
+def unmark_phases(trainer) -> None:
+    for name in PHASE_METHODS:
+        trainer.__dict__.pop(name, None)
+
+
 class ReferenceBuilt:
     """GRPOTrainer / RLOOTrainer build their reference model with `create_model_from_path(name, dtype=...,
     attn_implementation=...)`; a model built from a config has no name: inside this context that call builds a

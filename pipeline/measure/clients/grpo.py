@@ -29,7 +29,7 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
     from pipeline.inputs.modeling import vocabulary_size
     from pipeline.measure.clients.sft import train_trl
     from pipeline.training.grpo import (ReferenceBuilt, check, dataset_prompts, eos_out_of_reach, length_reward,
-                                        prompt_dataset, rollout_arguments, tokenizer, trainer_class)
+                                        mark_phases, prompt_dataset, rollout_arguments, tokenizer, trainer_class)
     from pipeline.training.sft import peft_config
 
     import torch.distributed as dist
@@ -46,30 +46,11 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
                 args=rollout_arguments(setting, precision, batch, output_dir, **extra),
                 train_dataset=prompt_dataset(vocab, dataset_prompts(setting, batch), seq),
                 peft_config=peft_config(setting), callbacks=[times, StepPeaks(tracker)])
-        phases_of_rollout(trainer, tracker)
+        mark_phases(trainer, tracker.start)
         return trainer
 
     return train_trl(model, setting, device, tracker, make_trainer, f"avp-{setting.client}-",
                      grad_only_hooks=True)
-
-
-def phases_of_rollout(trainer, tracker: PhaseTracker) -> None:
-    """`tracker` enters `generation` where the trainer's `_generate` starts and `log-probs` where it scores
-    sequences under no_grad."""
-    import torch
-
-    generate, logps = trainer._generate, trainer._get_per_token_logps_and_entropies
-
-    def generating(*args, **kwargs):
-        tracker.start("generation")
-        return generate(*args, **kwargs)
-
-    def scoring(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            tracker.start("log-probs")
-        return logps(*args, **kwargs)
-
-    trainer._generate, trainer._get_per_token_logps_and_entropies = generating, scoring
 
 
 def StepPeaks(tracker: PhaseTracker):

@@ -226,18 +226,9 @@ class RolloutRun(SFTRun):
         self.hooks = [model.register_forward_pre_hook(forward_starts), model.register_forward_hook(forward_ends)]
         if self.checkpointing:  # generation switches checkpointing off and on again: a new checkpoint function
             self.hooks.append(model.register_forward_pre_hook(lambda *_: rules.wrap_checkpointing(model)))
-        generate, logps = trainer._generate, trainer._get_per_token_logps_and_entropies
+        from pipeline.training.grpo import mark_phases
 
-        def generating(*args, **kwargs):
-            tracker.start_phase("generation", "activations")
-            return generate(*args, **kwargs)
-
-        def scoring(*args, **kwargs):
-            if not torch.is_grad_enabled():
-                tracker.start_phase("log-probs", "activations")
-            return logps(*args, **kwargs)
-
-        trainer._generate, trainer._get_per_token_logps_and_entropies = generating, scoring
+        mark_phases(trainer, lambda phase: tracker.start_phase(phase, "activations"))
 
     def context(self):
         stack = contextlib.ExitStack()
@@ -266,8 +257,9 @@ class RolloutRun(SFTRun):
         trainer = self.trainer
         reference = getattr(trainer, "ref_model", None) if trainer is not None else None
         if trainer is not None:
-            for name in ("_generate", "_get_per_token_logps_and_entropies"):
-                trainer.__dict__.pop(name, None)
+            from pipeline.training.grpo import unmark_phases
+
+            unmark_phases(trainer)
         self.loader = None
         super().close()
         if reference is not None:

@@ -32,6 +32,7 @@ import contextlib
 import time
 
 from pipeline.core.errors import UserError
+from pipeline.core.vocabulary import ROLLOUT_CLIENTS
 from pipeline.training.values import Estimate, Run
 
 
@@ -78,7 +79,7 @@ def sharded_client_peak(config, run: Run) -> Estimate:
     check_sharded_client(run)
     check_installed(run.optim, run.liger_kernel)
     config = as_config(config)
-    rollout = run.client in ("grpo", "rloo")
+    rollout = run.client in ROLLOUT_CLIENTS
     stand_ins = host_copy_stand_ins()
     if rollout:
         from pipeline.simulate.clients.grpo import sampler_stand_ins
@@ -195,7 +196,7 @@ def trainer_of(model, run: Run, trace):
     if run.client == "dpo":
         return meta_dpo_trainer(model, reference_model(model, setting, "meta"), setting, run.precision, run.batch,
                                 run.seq, "meta", trace.rules)
-    if run.client in ("grpo", "rloo"):
+    if run.client in ROLLOUT_CLIENTS:
         from pipeline.simulate.clients.grpo import meta_rollout_trainer
         from pipeline.training.grpo import check
 
