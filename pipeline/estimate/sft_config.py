@@ -71,7 +71,10 @@ def read_sft_config(source, client: str = "sft") -> dict:
     if client in ROLLOUT_CLIENTS:
         rollout = {k: args[k] for k in ROLLOUT_KEYS if k in args}
         unmodelled = [k for k in ("generation_batch_size", "vllm_enable_sleep_mode", "cast_lm_head_to_fp32",
-                                  "vllm_tensor_parallel_size") if args.get(k) not in (None, False)]
+                                  "vllm_tensor_parallel_size", "reward_model_name_or_path") if args.get(k) not in
+                      (None, False)]
+        if any("/" in str(f) for f in (args.get("reward_funcs") or [])):  # a Hub id: a reward model on the GPU
+            unmodelled.append("reward_funcs (a reward model)")
         args = {k: v for k, v in args.items() if k not in ROLLOUT_KEYS and k != "max_length"}
     for key in FLAGS:
         check_flag(args, key, label)
