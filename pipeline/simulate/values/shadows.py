@@ -179,7 +179,10 @@ def shadow_stand_ins(shadows: Shadows) -> dict:
         if t.device.type != "meta" or device is None or torch.device(device).type == "meta" \
                 or not hasattr(t, "_shadow"):
             return func(*args, **kwargs)
-        return func(_shadow_of(t), *args[1:], **kwargs)  # `.cpu()` of token ids: their host values
+        return func(t._shadow, *args[1:], **kwargs)  # `.cpu()` of token ids: their host values
 
-    return {aten._to_copy.default: to_host, aten.equal.default: equal, aten._local_scalar_dense.default: item, aten.is_nonzero.default: item,
+    # `.cpu()` only where small tensors carry host values (generation's token ids): `_to_copy` is an op of every
+    # autocast cast, which a stand-in would take off the output cache's path
+    copies = {aten._to_copy.default: to_host} if shadows.host_values else {}
+    return {**copies, aten.equal.default: equal, aten._local_scalar_dense.default: item, aten.is_nonzero.default: item,
             aten.nonzero.default: nonzero, aten.index.Tensor: index, aten.masked_select.default: masked_select}
