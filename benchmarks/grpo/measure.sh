@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
-# GRPO / RLOO points on one GPU, each the first of its own process, side by side (each process's peak counters are
-# its own): every line of points.txt is `python -m pipeline.measure measure` options (bf16 weights under autocast,
-# checkpointing, as GRPOConfig's defaults); each row lands in $OUT/rows/N.json. A process that outlives
-# ${POINT_SECONDS:-150} s is stopped and its point left out.
+# GRPO / RLOO points on one GPU each, every point the first of its own process: every line of the points file is
+# `python -m pipeline.measure measure` options (bf16 weights under autocast, checkpointing, as GRPOConfig's
+# defaults). $ONLY (default every line) lists the line numbers to run, in order; the GPUs in $GPUS (default "0") are
+# lanes, dealt the listed points in turn, one point at a time per lane, so that a point has its GPU to itself (its
+# verdict at the GPU's edge is its own). A lane starts no point after $DEADLINE seconds (default none). Line N's row
+# lands in $OUT/rows/N.json; a process that outlives ${POINT_SECONDS:-420} s is stopped and its point left out.
 set -u
 out=${OUT:-/tmp/grpo}/rows
 mkdir -p "$out"
-n=0
-while IFS= read -r line; do
-  [ -z "$line" ] && continue
-  n=$((n + 1))
-  rollout=${line##*--rollout }
-  options=${line% --rollout *}
-  # shellcheck disable=SC2086
-  timeout -k 5 "${POINT_SECONDS:-150}" python3 -m pipeline.measure measure $options --rollout "$rollout" \
-    --precision bf16-autocast --checkpointing --json > "$out/$n.json" 2> "$out/$n.log" &
-done < "${1:-benchmarks/grpo/points.txt}"
+read -r -a gpus <<< "${GPUS:-0}"
+points=${1:-benchmarks/grpo/points.txt}
+mapfile -t lines < <(grep -v '^$' "$points")
+read -r -a only <<< "${ONLY:-$(seq -s ' ' 1 ${#lines[@]})}"
+lane() {
+  local index=$1 turn n line rollout options
+  for turn in "${!only[@]}"; do
+    [ $((turn % ${#gpus[@]})) -ne "$index" ] && continue
+    [ -n "${DEADLINE:-}" ] && [ "$SECONDS" -gt "$DEADLINE" ] && break
+    n=${only[$turn]}
+    line=${lines[$((n - 1))]}
+    rollout=${line##*--rollout }
+    options=${line% --rollout *}
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=${gpus[$index]} timeout -k 5 "${POINT_SECONDS:-420}" python3 -m pipeline.measure measure \
+      $options --rollout "$rollout" --precision bf16-autocast --checkpointing --json > "$out/$n.json" 2> "$out/$n.log"
+  done
+}
+for index in "${!gpus[@]}"; do
+  lane "$index" &
+done
 wait

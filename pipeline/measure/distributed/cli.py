@@ -48,6 +48,7 @@ def rank_parser() -> argparse.ArgumentParser:
     parser.add_argument("--deepspeed", help="zero1-3: the DeepSpeed config's JSON text (training.zero)")
     parser.add_argument("--hyperparameters", help="TrainingArguments' optimizer and schedule numbers, JSON")
     parser.add_argument("--memory-history", help="rank 0 records the allocator's events to this file (.npz)")
+    parser.add_argument("--rollout", help="grpo, rloo: the rollout's GRPOConfig keys (training.rollout), JSON")
     parser.add_argument("--adapter", choices=("full", "lora"), default="full")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--batch", type=int, required=True)

@@ -11,6 +11,7 @@ measure, read from YAML and laid out as groups of points that run smallest first
     tensor_parallel: [1, 2]               # T (the loop)
     adapters: [full, lora]                # lora: LoRA r=16, alpha 32, all linear layers
     hyperparameters: {warmup_steps: 10}   # TrainingArguments' optimizer and schedule numbers (Trainer clients)
+    rollouts: [{num_generations: 8, max_completion_length: 512}]   # grpo, rloo: GRPOConfig keys, each a group
     alloc_conf: "expandable_segments:True"   # PYTORCH_CUDA_ALLOC_CONF of the torchrun
     memory_history: true                  # rank 0 records the allocator's events (<out>.history/, one file a point)
     checkpointing: [true]
@@ -31,16 +32,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.core.errors import UserError
-from pipeline.core.vocabulary import CLIENTS, PRECISIONS, SHARDINGS, SPLITS, ZERO_SHARDINGS, check_choice
+from pipeline.core.vocabulary import (CLIENTS, PRECISIONS, ROLLOUT_CLIENTS, SHARDINGS, SPLITS, ZERO_SHARDINGS,
+                                     check_choice)
 from pipeline.training.layout import Layout
 
 DEFAULT_KEYS = {"models", "clients", "precisions", "num_gpus", "shardings", "shard_groups", "tensor_parallel",
                 "adapters", "checkpointing", "grid", "points", "split", "timeout_seconds", "configs", "deepspeed",
-                "hyperparameters", "alloc_conf", "memory_history"}
+                "hyperparameters", "alloc_conf", "memory_history", "rollouts"}
 PLAN_KEYS = DEFAULT_KEYS | {"groups"}
 ADAPTERS = ("full", "lora")
 # The precision a client runs on a model loaded in bf16 (the Trainer clients with bf16=True: bf16-autocast).
-DEFAULT_PRECISION = {"loop": "bf16", "trainer": "bf16-autocast", "sft": "bf16-autocast", "dpo": "bf16-autocast"}
+DEFAULT_PRECISION = {"loop": "bf16", "trainer": "bf16-autocast", "sft": "bf16-autocast", "dpo": "bf16-autocast",
+                     "grpo": "bf16-autocast", "rloo": "bf16-autocast"}
+# The clients whose configs turn checkpointing on by default (SFTConfig, DPOConfig, GRPOConfig, RLOOConfig)
+CHECKPOINTING_CLIENTS = ("sft", "dpo", "grpo", "rloo")
 DEFAULT_TIMEOUT = 240
 
 
@@ -64,12 +69,13 @@ class Group:
     hyperparameters: str | None = None  # `training.hyperparameters.Hyperparameters.to_text()`
     alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
     memory_history: bool = False
+    rollout: str | None = None  # grpo, rloo: `training.rollout.Rollout.to_text()`
 
     @property
     def key(self) -> tuple:
         return (self.model_id, self.client, self.precision, self.num_gpus, self.sharding, self.shard_group,
                 self.tensor_parallel, self.adapter, self.checkpointing, self.deepspeed, self.hyperparameters,
-                self.alloc_conf)
+                self.alloc_conf, self.rollout)
 
     def rank_arguments(self, batch: int, seq: int) -> list[str]:
         """The arguments of `python -m pipeline.measure.distributed rank` for one point of the group."""
@@ -80,6 +86,7 @@ class Group:
                 + (["--shard-group", str(self.shard_group)] if self.shard_group else [])
                 + (["--deepspeed", self.deepspeed] if self.deepspeed else [])
                 + (["--hyperparameters", self.hyperparameters] if self.hyperparameters else [])
+                + (["--rollout", self.rollout] if self.rollout else [])
                 + (["--checkpointing"] if self.checkpointing else []))
 
 
@@ -120,6 +127,7 @@ def check_block(block: dict, path) -> None:
     for adapter in block.get("adapters", ["full"]):
         check_choice("adapter", adapter, ADAPTERS)
     hyperparameters_of(block, path)
+    rollouts_of(block, path)
     if "alloc_conf" in block:  # a setting the replay cannot answer is not worth measuring
         from pipeline.training.alloc_conf import read_alloc_conf
 
@@ -148,13 +156,14 @@ def block_groups(block: dict, gpus: int | None) -> list[Group]:
     hyperparameters = hyperparameters_of(block, "plan")
     return [Group(model, client, precision, n, sharding, adapter, bool(checkpointing), points,
                   block.get("split", "tuned"), int(block.get("timeout_seconds", DEFAULT_TIMEOUT)), group, tp, deepspeed,
-                  hyperparameters, block.get("alloc_conf"), bool(block.get("memory_history", False)))
+                  hyperparameters, block.get("alloc_conf"), bool(block.get("memory_history", False)), rollout)
             for n in sorted(block.get("num_gpus", [2])) if gpus is None or n <= gpus
             for model in block["models"] for client in block.get("clients", ["loop"])
             for precision in block.get("precisions") or [DEFAULT_PRECISION[client]]
             for sharding, group, tp, deepspeed in block_layouts(block, n)
             for adapter in block.get("adapters", ["full"])
-            for checkpointing in block.get("checkpointing", [client in ("sft", "dpo")])]
+            for checkpointing in block.get("checkpointing", [client in CHECKPOINTING_CLIENTS])
+            for rollout in (rollouts_of(block, "plan") if client in ROLLOUT_CLIENTS else [None])]
 
 
 def hyperparameters_of(block: dict, path) -> str | None:
@@ -165,6 +174,19 @@ def hyperparameters_of(block: dict, path) -> str | None:
     if not isinstance(given, dict):
         raise UserError(f"{path}: hyperparameters is a mapping of TrainingArguments keys")
     return Hyperparameters.of(given, str(path)).to_text()
+
+
+def rollouts_of(block: dict, path) -> list[str]:
+    """The block's rollouts (grpo, rloo) as the rank takes them (`Rollout.to_text()`); TRL's defaults where none."""
+    from pipeline.training.rollout import Rollout
+
+    given = block.get("rollouts") or [{}]
+    if not isinstance(given, list) or not all(isinstance(keys, dict) for keys in given):
+        raise UserError(f"{path}: rollouts is a list of mappings of GRPOConfig keys")
+    rollout_clients = [c for c in block.get("clients", ["loop"]) if c in ROLLOUT_CLIENTS]
+    if block.get("rollouts") and not rollout_clients:
+        raise UserError(f"{path}: rollouts are the grpo and rloo clients' settings")
+    return [Rollout.of(keys, str(path), client).to_text() for keys in given for client in rollout_clients[:1]]
 
 
 def block_layouts(block: dict, num_gpus: int) -> list[tuple]:

@@ -41,6 +41,7 @@ def measure_rank(args) -> dict:
     from pipeline.training.adapters import AdapterSpec
     from pipeline.training.hyperparameters import Hyperparameters
     from pipeline.training.layout import Layout
+    from pipeline.training.rollout import Rollout
     from pipeline.training.step import Setting
 
     local_rank, rank = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("RANK", 0))
@@ -55,7 +56,8 @@ def measure_rank(args) -> dict:
     adapter = AdapterSpec.make(16) if args.adapter == "lora" else None
     setting = Setting(client=args.client, gradient_checkpointing=args.checkpointing, adapter=adapter,
                       sharding=None if args.client == "loop" else args.sharding, deepspeed=args.deepspeed,
-                      hyperparameters=Hyperparameters.from_text(args.hyperparameters))
+                      hyperparameters=Hyperparameters.from_text(args.hyperparameters),
+                      rollout=Rollout.from_text(args.rollout))
     row = base_columns(record, args.precision, "default", setting, args.batch, args.seq)
     row.update(setup_device(device, allow_tf32=True))
     layout = Layout(world, args.sharding, args.shard_group, args.tensor_parallel)
