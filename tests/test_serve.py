@@ -211,6 +211,13 @@ BAD = [
     ({**GRPO_QUESTION, "num_generations": 128}, "num_generations 128 is over the server's limit"),
     ({**GRPO_QUESTION, "max_completion_length": "long"}, "max_completion_length must be a positive integer"),
     ({**GRPO_QUESTION, "grpo_config": "grpo.yaml"}, "reads no paths"),
+    # the same caps on a training file's own numbers
+    ({**GRPO_QUESTION, "grpo_config": {"num_generations": 4096}}, "grpo_config's num_generations 4096 is over"),
+    ({"axolotl_config": {"base_model": SMALL, "micro_batch_size": 2, "sequence_len": 512,
+                         "gradient_accumulation_steps": 100000}, "method": "exact"},
+     "axolotl_config's gradient_accumulation_steps 100000 is over"),
+    ({"axolotl_config": {"base_model": SMALL, "micro_batch_size": 2, "sequence_len": 512, "rl": "grpo",
+                         "trl": {"max_completion_length": 10**7}}, "method": "exact"}, "max_completion_length 1e+07"),
     ({"axolotl_config": "axolotl.yaml", "method": "exact"}, "reads no paths"),
     ({"llamafactory_config": {"stage": "kto", "cutoff_len": 512, "per_device_train_batch_size": 1},
       "model": SMALL, "method": "exact"}, "stage 'kto' is not simulated"),

@@ -543,3 +543,29 @@ def test_an_accelerate_config_file_is_read_as_the_command_reads_it(page, server,
     check_numbers(s, expected, "the T4, each GPU of 4 GPUs, fsdp")
     screenshot(page, "11-accelerate-config.png")
     assert page.errors == []
+
+
+def test_an_axolotl_file_is_asked_as_the_command_asks_it(page, server):
+    """A person with an Axolotl file (issue 36): the page takes the file as it is (lists and all: the server parses
+    its YAML), asks only the GPU beside it, and answers what `estimate --axolotl-config FILE` answers; the copied
+    command names the file."""
+    from conftest import pipeline
+
+    path = REPO / "tests/data/frameworks/axolotl_lora.yaml"
+    page.goto(server)
+    wait_for_models(page)
+    assert not page.is_visible("#framework_file")
+    page.check("input[name=source][value=framework]")
+    assert not page.is_visible("#batch")  # the file's, not asked
+    page.fill("#framework_file", path.read_text())
+    page.select_option("#gpu", "L4")
+    cli = "python -m pipeline estimate --gpu L4 --axolotl-config axolotl.yaml --method exact --json"
+    s = poll(page, SHOWN, lambda s: s["cli"] == cli and s["method_shown"] == "exact", 240)
+    expected = json.loads(pipeline("estimate", "--axolotl-config", str(path), "--gpu", "L4", "--method", "exact",
+                                   "--json", cwd=REPO).stdout)
+    assert (expected["model_id"], expected["batch_size"], expected["seq_len"]) == ("Qwen/Qwen2.5-0.5B", 2, 1024)
+    check_numbers(s, expected, "the L4")
+    assert "from_pretrained" not in page.inner_text("#python")  # the call names the file, not a model
+    assert 'axolotl_config="axolotl.yaml"' in page.inner_text("#python")
+    screenshot(page, "12-axolotl-file.png")
+    assert page.errors == []

@@ -159,8 +159,8 @@ def test_distributed_dry_run_prints_one_torchrun_per_point(tmp_path):
 
 def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
     """The GPU measurement path for real on the CPU: torchrun with 2 gloo ranks, a tiny llama: the loop under ddp
-    and fsdp, SFTTrainer with LoRA under DDP; one ok row per rank with its num_gpus, sharding and rank (CUDA peaks
-    are empty on the CPU)."""
+    and fsdp, SFTTrainer with LoRA under DDP, GRPOTrainer with a reference model under FSDP2; one ok row per rank
+    with its num_gpus, sharding and rank (CUDA peaks are empty on the CPU)."""
     import json
     import os
     import subprocess
@@ -171,7 +171,9 @@ def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text("models: [test/tiny-llama]\nnum_gpus: [2]\ngrid: {batch_sizes: [2], seq_lens: [16]}\ngroups:\n"
                     "  - {clients: [loop], shardings: [ddp, fsdp]}\n"
-                    "  - {clients: [sft], shardings: [ddp], adapters: [lora]}\n")
+                    "  - {clients: [sft], shardings: [ddp], adapters: [lora]}\n"
+                    "  - {clients: [grpo], shardings: [fsdp], rollouts: [{num_generations: 2, max_completion_length: 4,"
+                    " beta: 0.04}]}\n")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -186,8 +188,11 @@ def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
     rows = pd.read_parquet(out)
     assert set(rows["status"]) == {"ok"}, rows["reason"].tolist()
     assert sorted(zip(rows["client"], rows["sharding"], rows["rank"])) == [
-        ("loop", "ddp", 0), ("loop", "ddp", 1), ("loop", "fsdp", 0), ("loop", "fsdp", 1), ("sft", "ddp", 0),
-        ("sft", "ddp", 1)]
+        ("grpo", "fsdp", 0), ("grpo", "fsdp", 1), ("loop", "ddp", 0), ("loop", "ddp", 1), ("loop", "fsdp", 0),
+        ("loop", "fsdp", 1), ("sft", "ddp", 0), ("sft", "ddp", 1)]
+    grpo = rows[rows["client"] == "grpo"]
+    assert set(grpo["rollout"]) == {'{"beta": 0.04, "max_completion_length": 4, "num_generations": 2}'}
+    assert set(grpo["gradient_checkpointing"]) == {True}  # GRPOConfig's default
     assert set(rows["num_gpus"]) == {2} and set(rows["first_in_process"]) == {True}
     sft = rows[rows["client"] == "sft"]
     # LoRA r=16, r x (in + out) on q, k, v, o (64, 48, 48, 64) and gate, up, down (96 each): 8,192 a layer, 2 layers

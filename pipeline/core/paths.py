@@ -65,6 +65,9 @@ SETTINGS_TABLES = {
     # GRPOTrainer and RLOOTrainer (benchmarks/grpo/points.txt, issue 35): measured after their simulation was
     # written, never tuned on
     "results/grpo_heldout/h100/peak_memory.parquet": "held-out",
+    "results/grpo_heldout/h200/peak_memory.parquet": "held-out",
+    # config/sweep_grpo_distributed_heldout.yaml: GRPO and RLOO under FSDP2 and ZeRO-3 on 2 GPUs
+    "results/grpo_distributed_heldout/h200/peak_memory.parquet": "held-out",
 }
 SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
 SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"

@@ -43,6 +43,8 @@ REFUSED = {"coefficients": "the server answers with its own coefficient file"}
 # Fields that are JSON objects (the library also takes a path: the server does not).
 OBJECTS = ("config", "training_args", "peft_config", "sft_config", "accelerate_config", "deepspeed", "grpo_config",
            "axolotl_config", "llamafactory_config")
+# Framework files the page pastes as they are: their YAML text is taken too (Axolotl's lists need a real parser).
+YAML_TEXT_FIELDS = ("axolotl_config", "llamafactory_config")
 INTEGERS = ("batch", "seq", "num_gpus", "shard_group", "tensor_parallel", "gradient_accumulation", "lora_r",
             "lora_alpha", "num_generations", "max_completion_length")
 BOOLEANS = ("checkpointing", "expandable_segments", "liger_kernel", "use_vllm", *SEARCHES)
@@ -73,6 +75,9 @@ def check(question) -> dict:
             raise UserError(f"unknown field {name!r}; the fields are estimate's keyword arguments: "
                             f"{', '.join(n for n in known if n not in REFUSED)}")
     q = {name: value for name, value in question.items() if value is not None}
+    for name in YAML_TEXT_FIELDS:
+        if isinstance(q.get(name), str) and ("\n" in q[name] or ": " in q[name]):
+            q[name] = yaml_mapping(q[name], name)
     for name in OBJECTS:
         if name in q and not isinstance(q[name], dict):
             raise UserError(f"{name} must be a JSON object (the content of the file); the server reads no paths")
@@ -114,6 +119,25 @@ def check(question) -> dict:
     return q
 
 
+def yaml_mapping(text: str, name: str) -> dict:
+    """A framework file's YAML text as its mapping; one line for bad YAML, and for aliases (a few lines of them
+    expand to gigabytes once the answer echoes the file)."""
+    import yaml
+
+    from pipeline.core.io import parse_yaml
+
+    try:
+        aliased = any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader))
+    except yaml.YAMLError:
+        aliased = False  # parse_yaml says what is wrong
+    if aliased:
+        raise UserError(f"{name}: YAML aliases (*name) are not taken by the server: write the values out")
+    data = parse_yaml(text, name, "not valid YAML: paste the file as it is")
+    if not isinstance(data, dict):
+        raise UserError(f"{name} must be the file's YAML mapping of its keys")
+    return data
+
+
 def check_layouts_question(q: dict) -> None:
     """A field `pipeline.estimate.layouts` does not take is refused (the layout fields are the table's);
     min_gpus searches up to num_gpus, by default the server's limit."""
@@ -140,10 +164,44 @@ def check_limits(q: dict) -> None:
                        ("num_generations", MAX_GENERATIONS), ("max_completion_length", MAX_COMPLETION)):
         if q.get(name, 0) > most:
             raise UserError(f"{name} {q[name]} is over the server's limit of {most}")
+    check_file_limits(q)
     processes = q.get("accelerate_config", {}).get("num_processes")
     if isinstance(processes, int) and processes > MAX_NUM_GPUS:
         raise UserError(f"accelerate_config's num_processes {processes} is over the server's limit of {MAX_NUM_GPUS} "
                         "GPUs")
+
+
+# The same caps on the numbers a training file gives (its keys by the file's own names): the question's field each
+# stands for, whose cap applies.
+FILE_FIELDS = {
+    "training_args": {"per_device_train_batch_size": "batch", "gradient_accumulation_steps": "gradient_accumulation"},
+    "sft_config": {"per_device_train_batch_size": "batch", "max_length": "seq",
+                   "gradient_accumulation_steps": "gradient_accumulation"},
+    "grpo_config": {"per_device_train_batch_size": "batch", "gradient_accumulation_steps": "gradient_accumulation",
+                    "num_generations": "num_generations", "max_completion_length": "max_completion_length",
+                    "max_prompt_length": "seq"},
+    "axolotl_config": {"micro_batch_size": "batch", "sequence_len": "seq",
+                       "gradient_accumulation_steps": "gradient_accumulation", "num_generations": "num_generations",
+                       "max_completion_length": "max_completion_length"},
+    "llamafactory_config": {"per_device_train_batch_size": "batch", "cutoff_len": "seq",
+                            "gradient_accumulation_steps": "gradient_accumulation"},
+}
+FIELD_CAPS = {"batch": MAX_TOKENS, "seq": MAX_TOKENS, "gradient_accumulation": MAX_GRADIENT_ACCUMULATION,
+              "num_generations": MAX_GENERATIONS, "max_completion_length": MAX_COMPLETION}
+
+
+def check_file_limits(q: dict) -> None:
+    """A training file's numbers under the caps of the fields they stand for (Axolotl's GRPO keys sit under trl:)."""
+    for name, keys in FILE_FIELDS.items():
+        given = q.get(name)
+        if not isinstance(given, dict):
+            continue
+        values = {**given, **(given["trl"] if isinstance(given.get("trl"), dict) else {})}
+        for key, field in keys.items():
+            value = values.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > FIELD_CAPS[field]:
+                raise UserError(f"{name}'s {key} {value:g} is over the server's limit of {FIELD_CAPS[field]:,} "
+                                f"({field})")
 
 
 def from_query(params) -> dict:

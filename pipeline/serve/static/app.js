@@ -35,9 +35,11 @@ const FLAGS = [["batch", "--batch"], ["seq", "--seq"], ["precision", "--precisio
   ["accelerate_config", "--accelerate-config"], ["gpu", "--gpu"], ["gpu_memory_gib", "--gpu-memory"],
   ["expandable_segments", "--expandable-segments"], ["liger_kernel", "--liger-kernel"], ["layouts", "--layouts"],
   ["min_gpus", "--min-gpus"], ["num_generations", "--num-generations"],
-  ["max_completion_length", "--max-completion-length"], ["beta", "--beta"]];
+  ["max_completion_length", "--max-completion-length"], ["beta", "--beta"],
+  ["axolotl_config", "--axolotl-config"], ["llamafactory_config", "--llamafactory-config"]];
 // A pasted file is named by the file it would be on the command line (the server takes its content).
-const FILE_NAMES = {accelerate_config: "accelerate_config.yaml"};
+const FILE_NAMES = {accelerate_config: "accelerate_config.yaml", axolotl_config: "axolotl.yaml",
+  llamafactory_config: "llamafactory.yaml"};
 // The clients that run a Trainer (its optim, accumulation and Liger), and TRL's, which checkpoint by default;
 // GRPO and RLOO generate their completions in the step (completions per prompt, their length, beta).
 const TRAINER_CLIENTS = ["trainer", "sft", "dpo", "grpo", "rloo"];
@@ -137,6 +139,8 @@ function question() {
       throw new FieldError("model", `no registry model is called ${JSON.stringify(typed)}: pick one from the list`);
     }
     q.model = model;
+  } else if (source === "framework") {
+    return frameworkQuestion();
   } else {
     const text = $("config").value.trim();
     if (!text) throw new FieldError("config", "paste a config.json, or choose the file");
@@ -199,6 +203,22 @@ function question() {
     q.gpu = $("gpu").value;
   }
   if ($("expandable_segments").checked) q.expandable_segments = true;
+  return q;
+}
+
+// A framework file's question: the file as it is (the server parses its YAML), the GPU and the number of GPUs.
+function frameworkQuestion() {
+  const text = $("framework_file").value.trim();
+  if (!text) throw new FieldError("framework_file", "paste the Axolotl or LLaMA-Factory YAML file, or choose it");
+  const q = {[$("framework_kind").value]: text};
+  const gpus = numberOrText("num_gpus");
+  if (gpus !== undefined && gpus !== 1) q.num_gpus = gpus;
+  if ($("gpu").value === "custom") {
+    const memory = numberOrText("gpu_memory_gib");
+    q.gpu_memory_gib = memory === undefined ? "" : memory;
+  } else {
+    q.gpu = $("gpu").value;
+  }
   return q;
 }
 
@@ -353,6 +373,8 @@ function showBoxes() {
   const source = document.querySelector("input[name=source]:checked").value;
   $("model-box").hidden = source !== "model";
   $("config-box").hidden = source !== "config";
+  $("framework-box").hidden = source !== "framework";
+  for (const node of document.querySelectorAll(".from-file")) node.hidden = source === "framework";  // the file's
   const trainer = TRAINER_CLIENTS.includes($("client").value);
   $("precision-box").hidden = trainer;
   $("trainer-precision-box").hidden = !trainer;
@@ -389,7 +411,7 @@ function modelHint() {
 }
 
 function writeHash(q) {
-  if (q.config) { history.replaceState(null, "", location.pathname); return; }
+  if (q.config || q.axolotl_config || q.llamafactory_config) { history.replaceState(null, "", location.pathname); return; }
   const params = new URLSearchParams();
   for (const [k, v] of Object.entries(q)) params.set(k, typeof v === "object" ? JSON.stringify(v) : String(v));
   history.replaceState(null, "", `#${params}`);
@@ -416,6 +438,7 @@ function clearErrors() {
 function fieldOf(message) {
   const source = document.querySelector("input[name=source]:checked").value;
   if (source === "config" && /config|model_type|field '|shape/i.test(message)) return "config";
+  if (source === "framework" && !/\bgpu\b|gpu_memory|num_gpus/i.test(message)) return "framework_file";
   for (const [field, words] of ERROR_FIELDS) if (words.test(message)) return field;
   return source;
 }
@@ -917,7 +940,7 @@ function renderCopies(a) {
 }
 
 function cliCommand(q, method) {
-  const parts = ["python -m pipeline estimate", q.model ? `--model ${sh(q.model)}` : "--config config.json"];
+  const parts = ["python -m pipeline estimate", ...sourceArgument(q, (name) => `--${name.replace("_", "-")}`)];
   for (const [key, flag] of FLAGS) {
     if (key === "checkpointing" && q[key] === false && TRL_CLIENTS.includes(q.client)) parts.push("--no-checkpointing");
     if (q[key] === undefined || q[key] === false) continue;
@@ -928,9 +951,17 @@ function cliCommand(q, method) {
   return parts.join(" ");
 }
 
+// The model's argument of a command (python: true, a call): the model id or config.json; none for a framework
+// file, whose flag names its model.
+function sourceArgument(q, flag, python = false) {
+  if (q.model) return [python ? `${flag("model")}${py(q.model)}` : `${flag("model")} ${sh(q.model)}`];
+  if (q.axolotl_config || q.llamafactory_config) return [];
+  return [python ? `${flag("config")}"config.json"` : `${flag("config")} config.json`];
+}
+
 function pythonCode(q, method) {
   const lines = ["from pipeline.estimate import estimate", ""];
-  const args = [q.model ? `model=${py(q.model)}` : `config="config.json"`];
+  const args = sourceArgument(q, (name) => `${name}=`, true);
   for (const [key] of FLAGS) {
     if (q[key] !== undefined) args.push(`${key}=${key in FILE_NAMES ? py(FILE_NAMES[key]) : py(q[key])}`);
   }
@@ -996,6 +1027,7 @@ async function start() {
   form.addEventListener("change", (e) => { if (e.target.tagName === "SELECT" || e.target.type === "radio" || e.target.type === "checkbox") changed(); });
   $("config-file").addEventListener("change", (e) => readUpload(e, "config"));
   $("accelerate-file").addEventListener("change", (e) => readUpload(e, "accelerate_config"));
+  $("framework-upload").addEventListener("change", (e) => readUpload(e, "framework_file"));
   $("layouts-run").addEventListener("click", () => runLayouts("layouts"));
   $("min-gpus-run").addEventListener("click", () => runLayouts("min_gpus"));
   $("copy-layouts-cli").addEventListener("click", (e) => copy("layouts-cli", e.target));
