@@ -52,14 +52,19 @@ def test_an_axolotl_file_answers_as_its_explicit_options():
 
 
 @pytest.mark.parametrize("kind, changes, words", [
-    ("axolotl", {"sample_packing": True}, "sample_packing is set: sample packing"),
+    ("axolotl", {"reward_model": True}, "reward_model is set: a reward model"),
+    ("axolotl", {"processor_type": "AutoProcessor"}, "processor_type is set: a vision-language fine-tune"),
     ("axolotl", {"rl": "kto"}, "rl 'kto' is not simulated"),
     ("axolotl", {"plugins": ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"]}, "plugins"),
     ("axolotl", {"fsdp_config": {"fsdp_offload_params": True}}, "fsdp_offload_params"),
     ("axolotl", {"adapter": "ia3"}, "adapter 'ia3' is not simulated"),
     ("axolotl", {"gradient_checkpointing": "offload"}, "gradient_checkpointing: offload"),
     ("axolotl", {"xformers_attention": True, "flash_attention": False}, "xformers_attention"),
-    ("llamafactory", {"stage": "pt"}, "packing"),
+    ("llamafactory", {"do_train": None, "do_predict": True}, "not a training config (no do_train: true)"),
+    ("llamafactory", {"image_max_pixels": 262144}, "image_max_pixels is set: a vision-language fine-tune"),
+    ("llamafactory", {"use_muon": True}, "use_muon is set: Muon is not simulated"),
+    ("llamafactory", {"pipeline_model_parallel_size": 4}, "Megatron's parallelism"),
+    ("axolotl", {"optimizer": "adamw_torch_4bit"}, "optim adamw_torch_4bit is not simulated"),
     ("llamafactory", {"stage": "kto"}, "stage 'kto' is not simulated"),
     ("llamafactory", {"finetuning_type": "freeze"}, "finetuning_type 'freeze'"),
     ("llamafactory", {"quantization_bit": 2, "quantization_method": "hqq"}, "quantization_method 'hqq'"),
@@ -80,6 +85,36 @@ def test_keys_not_simulated_are_refused_in_one_line(kind, changes, words):
     with pytest.raises(UserError, match=None) as error:
         make_run(**{f"{kind}_config": config})
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kind, packing", [("axolotl", {"sample_packing": True, "pad_to_sequence_len": True}),
+                                           ("llamafactory", {"stage": "pt"}), ("llamafactory", {"packing": True})])
+def test_packing_is_answered_as_full_rows_with_a_note(kind, packing):
+    """Packing fills every row with tokens (Axolotl's multipack, LLaMA-Factory's packing and its pt stage's default):
+    the answer is the full rows' step, with a note saying so; the same numbers as the unpacked file at its length."""
+    import yaml
+
+    from pipeline.estimate import estimate
+
+    name = "axolotl_lora.yaml" if kind == "axolotl" else "llamafactory_qlora_sft.yaml"
+    config = yaml.safe_load((FILES / name).read_text())
+    packed = estimate(**{f"{kind}_config": {**config, **packing}}, gpu="RTX 4090")
+    plain = estimate(**{f"{kind}_config": config}, gpu="RTX 4090")
+    assert packed["peak_bytes"] == plain["peak_bytes"] > 0
+    assert any("every row full (packing fills them)" in note for note in packed["notes"])
+    assert not any("packing" in note for note in plain["notes"])
+
+
+def test_numbers_as_yaml_1_1_writes_them_and_the_frameworks_optimizer_names():
+    """`learning_rate: 5e-5` is a string to PyYAML and a float to the frameworks' parsers; bitsandbytes' paged
+    optimizers by Axolotl's names are answered as the optimizers whose states they hold, with a note."""
+    import yaml
+
+    config = yaml.safe_load((FILES / "axolotl_lora.yaml").read_text())
+    run, notes = make_run(axolotl_config={**yaml.safe_load("learning_rate: 5e-5"), **{
+        k: v for k, v in config.items() if k != "learning_rate"}, "optimizer": "paged_adamw_8bit"})
+    assert run.hyperparameters.learning_rate == 5e-5 and run.optim == "adamw_bnb_8bit"
+    assert any("optim paged_adamw_8bit is answered as adamw_bnb_8bit" in note for note in notes)
 
 
 def test_the_command_says_why_not_in_one_line(tmp_path):

@@ -6,8 +6,9 @@ head) for supervised fine-tuning and pre-training, and with TRL's trainers for p
 a file maps to this project's clients: `trainer` for sft / pt, `dpo` and `grpo` for those stages. What a key sets
 (the model, batch, length, accumulation, precision, checkpointing, optimizer, LoRA / QLoRA, Liger, DeepSpeed, FSDP,
 the schedule's numbers) goes where the other inputs put it; a key that changes memory in a way not simulated yet
-(packing, a stage or adapter kind, FSDP's CPU offload, activation offloading, Axolotl's plugins) stops the answer
-with one line naming it, never silently dropped.
+(a stage or adapter kind, FSDP's CPU offload, activation offloading, Axolotl's plugins, images) stops the answer
+with one line naming it, never silently dropped. Packing (Axolotl's sample_packing, LLaMA-Factory's packing, its
+pt stage's default) fills every row: it is answered as the full rows it makes, with a note.
 """
 
 from __future__ import annotations
@@ -25,13 +26,28 @@ AXOLOTL_ATTENTION = {"flash_attention": "FlashAttention-2", "sdp_attention": Non
                      "flex_attention": "flex attention", "s2_attention": "shifted-sparse attention"}
 
 
+# Optimizers by the frameworks' names that the simulated ones stand for on the GPU: bitsandbytes' paged optimizers
+# keep their states in unified memory, on the GPU while it has room; its 32-bit AdamW is a fused kernel like
+# torch's fused AdamW; Axolotl's adamw_8bit is bitsandbytes' 8-bit AdamW.
+OPTIM_ALIASES = {"adamw_8bit": "adamw_bnb_8bit", "paged_adamw_8bit": "adamw_bnb_8bit",
+                 "paged_adamw_32bit": "adamw_torch_fused", "paged_adamw": "adamw_torch_fused",
+                 "adamw_torch_4bit": None}
+# Files that train something other than a causal LM's next-token loss over its vocabulary
+NOT_CAUSAL_LM = {"reward_model": "a reward model (a scalar head instead of the vocabulary's logits) is not simulated",
+                 "process_reward_model": "a process reward model (a token-classification head) is not simulated",
+                 "processor_type": "a vision-language fine-tune (images through a processor) is not simulated yet"}
+
+LLAMAFACTORY_VISION_KEYS = ("image_max_pixels", "image_min_pixels", "video_max_pixels", "freeze_vision_tower",
+                            "freeze_multi_modal_projector", "train_mm_proj_only")
+
+
 def read_axolotl_config(source) -> dict:
     """The run an Axolotl config launches (the settings `read_sft_config` returns, `training_args` keys included)."""
     from pipeline.estimate.sft_config import _load
 
     args, label = _load(source, "axolotl config")
     refuse(args, label, {
-        "sample_packing": "sample packing (several sequences per row) is not simulated yet",
+        **NOT_CAUSAL_LM,
         "fsdp_offload_params": None,
         "unfrozen_parameters": "partly frozen full fine-tuning (unfrozen_parameters) is not simulated",
         "relora_steps": "ReLoRA is not simulated",
@@ -58,6 +74,8 @@ def read_axolotl_config(source) -> dict:
         raise UserError(f"{label}: rl {short(rl)} is not simulated (dpo and grpo are)")
     adapter = axolotl_adapter(args, label)
     notes = attention_notes(args, label)
+    if args.get("sample_packing"):
+        notes.append(packing_note(label, "sample_packing", "micro_batch_size", "sequence_len"))
     settings = framework_settings(
         args, label, client=client, model=args.get("base_model"), batch_key="micro_batch_size",
         seq=args.get("sequence_len", 2048), seq_key="sequence_len", adapter=adapter,
@@ -91,21 +109,32 @@ def read_llamafactory_config(source) -> dict:
     from pipeline.estimate.sft_config import _load
 
     args, label = _load(source, "llamafactory config")
+    if args.get("do_train") is not True:  # its stages train only with do_train (TrainingArguments' default false)
+        raise UserError(f"{label}: not a training config (no do_train: true): llamafactory-cli trains nothing with "
+                        "it (an inference, export, evaluation or preprocessing file)")
     stage = typed(args, "stage", str, label, "sft")
     client = {"sft": "trainer", "pt": "trainer", "dpo": "dpo"}.get(stage)
     if client is None:
         raise UserError(f"{label}: stage {short(stage)} is not simulated (sft, pt and dpo are)")
     packing = args.get("packing")
-    if packing or (packing is None and stage == "pt") or args.get("neat_packing"):
-        raise UserError(f"{label}: packing (several sequences per row; LLaMA-Factory packs pt by default) is not "
-                        "simulated yet: set packing: false")
+    vision = [key for key in LLAMAFACTORY_VISION_KEYS if key in args]
+    if vision:
+        raise UserError(f"{label}: {vision[0]} is set: a vision-language fine-tune (images through a processor) is "
+                        "not simulated yet")
     refuse(args, label, {"use_unsloth": "Unsloth's kernels are not simulated",
+                         "use_adam_mini": "Adam-mini is not simulated", "use_muon": "Muon is not simulated",
+                         "use_dft_loss": "the DFT loss is not simulated", "use_kt": "KTransformers is not simulated",
+                         "pipeline_model_parallel_size": "Megatron's parallelism (mcore_adapter) is not simulated",
+                         "tensor_model_parallel_size": "Megatron's parallelism (mcore_adapter) is not simulated",
                          "use_badam": "BAdam is not simulated", "use_galore": "GaLore is not simulated",
                          "use_apollo": "APOLLO is not simulated", "use_dora": "DoRA is not simulated",
                          "pissa_init": None, "use_llama_pro": "LLaMA Pro is not simulated",
                          "shift_attn": "shifted-sparse attention is not simulated"})
     adapter = llamafactory_adapter(args, label)
     notes = []
+    if packing or (packing is None and stage == "pt") or args.get("neat_packing"):
+        notes.append(packing_note(label, "packing" if packing or stage != "pt" else "stage pt (packed by default)",
+                                  "per_device_train_batch_size", "cutoff_len"))
     if args.get("flash_attn") == "fa2":
         notes.append(f"{label}: flash_attn fa2 is answered with torch's SDPA flash path (the same saved tensors)")
     settings = framework_settings(
@@ -124,6 +153,23 @@ def read_llamafactory_config(source) -> dict:
     with_fsdp(settings, {"fsdp": args.get("fsdp"), "fsdp_config": args.get("fsdp_config"),
                          "deepspeed": args.get("deepspeed")}, label)
     return settings
+
+
+def packing_note(label: str, key: str, batch_key: str, seq_key: str) -> str:
+    return (f"{label}: {key}: answered as {batch_key} rows of {seq_key} tokens each, every row full (packing fills "
+            "them), which is the packed step's peak within the attention kernel's mask; packed steps are not measured "
+            "yet")
+
+
+def number(value):
+    """A number the frameworks' parsers take from YAML 1.1's text (`5e-5` is a string to PyYAML, a float to
+    Axolotl's pydantic and to LLaMA-Factory's HfArgumentParser)."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def typed(args: dict, key: str, kinds, label: str, default=None):
@@ -228,6 +274,12 @@ def framework_settings(args: dict, label: str, *, client: str, model, batch_key:
         raise UserError(f"{label}: the model must be a model id, not {short(model)}")
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0):
         raise UserError(f"{label}: {seq_key} must be a positive whole number, not {short(seq)}")
+    if optim in OPTIM_ALIASES:
+        if OPTIM_ALIASES[optim] is None:
+            raise UserError(f"{label}: optim {optim} is not simulated")
+        notes.append(f"{label}: optim {optim} is answered as {OPTIM_ALIASES[optim]} (its states' bytes on the GPU)")
+        optim = OPTIM_ALIASES[optim]
+    schedule = {key: number(value) for key, value in schedule.items()}
     return {"client": client, "batch": positive_int_option(args, batch_key, label),
             "seq": seq, "gradient_accumulation": positive_int_option(args, "gradient_accumulation_steps", label),
             "autocast": half, "checkpointing": checkpointing, "optim": optim, "liger_kernel": liger,
