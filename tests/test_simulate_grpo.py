@@ -49,7 +49,9 @@ def run_rollout(device: str, client: str = "grpo", rollout: dict | None = None, 
     ("grpo", {"num_generations": 4, "max_completion_length": 16, "beta": 0.04}, False, 1),  # a reference model
     ("grpo", {"num_generations": 2, "max_completion_length": 16, "num_iterations": 2}, True, 2),  # old log-probs
     ("rloo", {"max_completion_length": 16}, False, 1),  # RLOO's beta 0.05: a reference model
-], ids=["grpo-reference", "grpo-lora-iterations", "rloo"])
+    # a generation every 3 optimizer steps: 4 steps run, the second generation beside the optimizer state
+    ("grpo", {"num_generations": 4, "max_completion_length": 8, "steps_per_generation": 3}, False, 1),
+], ids=["grpo-reference", "grpo-lora-iterations", "rloo", "grpo-steps-per-generation"])
 def test_meta_rollout_equals_the_cpu_run(client, rollout, lora, accumulation):
     real = run_rollout("cpu", client, rollout, lora, accumulation)
     simulated = run_rollout("meta", client, rollout, lora, accumulation)
@@ -60,6 +62,24 @@ def test_meta_rollout_equals_the_cpu_run(client, rollout, lora, accumulation):
     assert abs(simulated["peak_bytes"] - real["peak_bytes"]) <= 4 * KIB
     assert simulated["peak_reserved_bytes"] == real["peak_reserved_bytes"]
     assert simulated["optimizer_state_bytes"] == real["optimizer_state_bytes"]
+    assert len(simulated["step_peaks"]) == len(real["step_peaks"]) == (
+        4 if rollout.get("steps_per_generation") == 3 else 3)
+
+
+def test_the_steps_reach_a_generation_after_the_optimizer_state_exists():
+    """TRL generates every steps_per_generation x num_iterations micro-batches: a point runs until the second
+    generation (the first beside the optimizer state), at least three optimizer steps."""
+    from pipeline.training.grpo import rollout_steps
+    from pipeline.training.rollout import Rollout
+    from pipeline.training.step import Setting
+
+    def steps(accumulation, **keys):
+        return rollout_steps(Setting(client="grpo", gradient_accumulation=accumulation,
+                                     rollout=Rollout.of(keys, "test", "grpo")))
+
+    assert steps(1) == steps(4) == steps(2, num_iterations=2) == 3  # TRL's default: a generation every step
+    assert steps(1, steps_per_generation=4) == 5 and steps(2, steps_per_generation=8) == 5
+    assert steps(1, num_iterations=4) == 5 and steps(4, steps_per_generation=2) == 3
 
 
 def test_generation_runs_every_completion_to_its_length():

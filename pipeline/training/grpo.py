@@ -94,14 +94,24 @@ def prompt_dataset(vocab_size: int, prompts: int, seq_len: int, seed: int = 0):
     return Dataset.from_dict({"prompt": [words(row) for row in ids]})
 
 
+def rollout_steps(setting: Setting) -> int:
+    """The optimizer steps a point runs: three (the first has no optimizer state yet), or as many as it takes to reach
+    the second generation, which is the first with the optimizer state beside it. TRL generates every
+    steps_per_generation x num_iterations micro-batches (TRL's default steps_per_generation is the accumulation:
+    a generation every optimizer step)."""
+    full = setting.rollout.defaults(setting.client)
+    every = (full.steps_per_generation or setting.gradient_accumulation) * full.num_iterations
+    return max(STEPS, every // setting.gradient_accumulation + 1)
+
+
 def dataset_prompts(setting: Setting, batch: int) -> int:
-    """Prompts enough for three optimizer steps on every data-parallel rank (the ranks of torch.distributed's world
-    where one is up), at least one generation batch."""
+    """Prompts enough for the point's optimizer steps (`rollout_steps`) on every data-parallel rank (the ranks of
+    torch.distributed's world where one is up), at least one generation batch."""
     import torch.distributed as dist
 
     ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     full = setting.rollout.defaults(setting.client)
-    completions = batch * setting.gradient_accumulation * STEPS * ranks
+    completions = batch * setting.gradient_accumulation * rollout_steps(setting) * ranks
     return max(2, -(-completions // full.num_generations))
 
 
@@ -113,8 +123,8 @@ def length_reward(completions, **kwargs) -> list[float]:
 def rollout_arguments(setting: Setting, precision: str, batch: int, output_dir: str, config_class=None, **extra):
     """The GRPOConfig (RLOOConfig) of a point (`config_class`: either or a subclass; `extra`: use_cpu and the like
     for a machine without a GPU)."""
-    return (config_class or globals()["config_class"](setting.client))(output_dir=output_dir, per_device_train_batch_size=batch, max_steps=STEPS,
-                        gradient_accumulation_steps=setting.gradient_accumulation,
+    return (config_class or globals()["config_class"](setting.client))(output_dir=output_dir, per_device_train_batch_size=batch,
+                        max_steps=rollout_steps(setting), gradient_accumulation_steps=setting.gradient_accumulation,
                         gradient_checkpointing=setting.gradient_checkpointing, optim=setting.optim,
                         use_liger_kernel=setting.liger_kernel, save_strategy="no", disable_tqdm=True,
                         report_to="none", logging_steps=1, **mixed_precision_args(precision),

@@ -32,7 +32,8 @@ PHASES = ("setup", "generation", "log-probs", "forward", "backward", "optimizer"
 
 
 def rollout_peak(config, run: Run) -> Estimate:
-    """GRPOTrainer's (RLOOTrainer's) `train()` for three optimizer steps of `run.gradient_accumulation` micro-batches
+    """GRPOTrainer's (RLOOTrainer's) `train()` for three optimizer steps (more where a generation serves several:
+`training.grpo.rollout_steps`) of `run.gradient_accumulation` micro-batches
     of `run.batch` completions of prompts of `run.seq` tokens, `run.rollout` as their config has it, on meta
     tensors; answered as `loop_peak` answers, with the phase of the peak among generation, log-probs, forward,
     backward and optimizer."""
@@ -204,6 +205,7 @@ class RolloutRun(SFTRun):
     def __init__(self, trainer, seq_len: int, precision: str, gradient_checkpointing: bool, device_type: str):
         super().__init__(trainer, seq_len, precision, gradient_checkpointing, device_type)
         self.loader = None
+        self.steps = trainer.args.max_steps  # `training.grpo.rollout_steps`: to the second generation
 
     def models(self) -> list:
         reference = getattr(self.trainer, "ref_model", None)

@@ -115,9 +115,10 @@ def simulate_trainer(model, batch_size: int, seq_len: int, precision: str, optim
     return simulate_run(run, steps, reserve_limit, warm, trace)
 
 
-def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None = None, warm: bool = True,
+def simulate_run(run: TrainerRun, steps: int | None = None, reserve_limit: int | None = None, warm: bool = True,
                  trace=None) -> dict:
-    """A Trainer client's run (`TrainerRun` or a subclass) for `steps` optimizer steps in a
+    """A Trainer client's run (`TrainerRun` or a subclass) for `steps` optimizer steps (default the run's own,
+    `TrainerRun.steps`) in a
     `pipeline.simulate.trace.Trace` (the live-byte tracker, CUDA's kernel rules, the allocator replay;
     `warm=False`: the process's first step, cuBLAS's workspaces made at first use) with the Triton
     wrappers' CUDA paths: the peak, its components, phase peaks, the optimizer state's bytes and the
@@ -141,7 +142,7 @@ def simulate_run(run: TrainerRun, steps: int = STEPS, reserve_limit: int | None 
             with refusals_are_crashes():
                 run.setup()
             step_peaks = []
-            for _ in range(steps):
+            for _ in range(run.steps if steps is None else steps):
                 run.step()
                 step_peaks.append(tracker.peaks["total"].total)
             tracker.phase = None
@@ -202,6 +203,7 @@ class TrainerRun:
 
     fused_head = False  # TRL's fused LM head (SFTTrainer)
     phases = PHASES
+    steps = STEPS  # the optimizer steps a point runs
 
     def __init__(self, trainer, seq_len: int, precision: str, gradient_checkpointing: bool, device_type: str):
         self.trainer, self.model = trainer, trainer.model
