@@ -219,7 +219,7 @@ BAD = [
     ({"axolotl_config": {"base_model": SMALL, "micro_batch_size": 2, "sequence_len": 512, "rl": "grpo",
                          "trl": {"max_completion_length": 10**7}}, "method": "exact"}, "max_completion_length 1e+07"),
     ({"axolotl_config": "axolotl.yaml", "method": "exact"}, "reads no paths"),
-    ({"llamafactory_config": {"stage": "kto", "cutoff_len": 512, "per_device_train_batch_size": 1},
+    ({"llamafactory_config": {"stage": "kto", "do_train": True, "cutoff_len": 512, "per_device_train_batch_size": 1},
       "model": SMALL, "method": "exact"}, "stage 'kto' is not simulated"),
     ({**GRPO_QUESTION, "model": "Qwen/Qwen2.5-7B", "config": None, "use_vllm": True,
       "vllm_gpu_memory_utilization": 0.1, "gpu": "H100 80GB"}, "vLLM (colocate) would not start"),

@@ -157,13 +157,13 @@ def test_bad_words_are_one_line(words, named):
     assert named in str(raised.value) and "\n" not in str(raised.value)
 
 
-def test_grpo_quotes_its_held_out_h100_points():
-    """GRPOTrainer's answers quote the two GRPO points measured on an H100 (issue 35), the exact method's only;
-    RLOO on several GPUs, never measured, says so."""
+def test_grpo_quotes_its_held_out_points():
+    """GRPOTrainer's answers quote the five full fine-tuning GRPO points measured on one GPU (issue 35: two on an
+    H100, three on an H200), the exact method's only; RLOO on several GPUs, never measured, says so."""
     found = setting_accuracy({"client": "grpo", "precision": "bf16-autocast"})
     assert found["label"] == "GRPOTrainer, full fine-tuning, bf16-autocast, one GPU"
     exact = found["methods"]["exact"]
-    assert (exact["split"], exact["points"], exact["fit_points"], exact["fit_accuracy"]) == ("held-out", 2, 2, 1.0)
-    assert exact["worst"] < 0.001 and exact["devices"] == [H100]
+    assert (exact["split"], exact["points"], exact["fit_points"], exact["fit_accuracy"]) == ("held-out", 5, 5, 1.0)
+    assert exact["worst"] < 0.001 and exact["devices"] == [H100, "NVIDIA H200"]
     unmeasured = setting_accuracy({"client": "rloo", "precision": "bf16-autocast", "num_gpus": 2, "sharding": "fsdp"})
     assert unmeasured["methods"] == {} and "is measured on a GPU: its accuracy is unknown" in unmeasured["missing"]
