@@ -65,6 +65,7 @@ def test_an_axolotl_file_answers_as_its_explicit_options():
     ("llamafactory", {"use_muon": True}, "use_muon is set: Muon is not simulated"),
     ("llamafactory", {"pipeline_model_parallel_size": 4}, "Megatron's parallelism"),
     ("axolotl", {"optimizer": "adamw_torch_4bit"}, "optim adamw_torch_4bit is not simulated"),
+    ("llamafactory", {"neat_packing": True}, "neat_packing without flash_attn fa2"),
     ("llamafactory", {"stage": "kto"}, "stage 'kto' is not simulated"),
     ("llamafactory", {"finetuning_type": "freeze"}, "finetuning_type 'freeze'"),
     ("llamafactory", {"quantization_bit": 2, "quantization_method": "hqq"}, "quantization_method 'hqq'"),
@@ -114,6 +115,8 @@ def test_numbers_as_yaml_1_1_writes_them_and_the_frameworks_optimizer_names():
     run, notes = make_run(axolotl_config={**yaml.safe_load("learning_rate: 5e-5"), **{
         k: v for k, v in config.items() if k != "learning_rate"}, "optimizer": "paged_adamw_8bit"})
     assert run.hyperparameters.learning_rate == 5e-5 and run.optim == "adamw_bnb_8bit"
+    run, _ = make_run(axolotl_config={**config, "max_steps": "100"})  # a quoted whole number stays whole
+    assert run.hyperparameters.max_steps == 100
     assert any("optim paged_adamw_8bit is answered as adamw_bnb_8bit" in note for note in notes)
 
 

@@ -211,6 +211,12 @@ BAD = [
     ({**GRPO_QUESTION, "num_generations": 128}, "num_generations 128 is over the server's limit"),
     ({**GRPO_QUESTION, "max_completion_length": "long"}, "max_completion_length must be a positive integer"),
     ({**GRPO_QUESTION, "grpo_config": "grpo.yaml"}, "reads no paths"),
+    # a framework file's YAML text: too deep, too long, an optimizer that is not a name
+    ({"axolotl_config": "base_model: x\nlr: " + "[" * 5000 + "]" * 5000, "method": "exact"},
+     "nested more than 32 levels deep"),
+    ({"axolotl_config": "base_model: x\n" + "# padding\n" * 8000, "method": "exact"}, "over 64 KiB of YAML"),
+    ({"axolotl_config": "base_model: HuggingFaceTB/SmolLM2-135M\nmicro_batch_size: 1\noptimizer: [adamw]\n",
+      "method": "formula", "gpu": "L4"}, "the optimizer must be a name"),
     # the same caps on a training file's own numbers
     ({**GRPO_QUESTION, "grpo_config": {"num_generations": 4096}}, "grpo_config's num_generations 4096 is over"),
     ({"axolotl_config": {"base_model": SMALL, "micro_batch_size": 2, "sequence_len": 512,

@@ -124,13 +124,15 @@ def test_exact_grpo_with_a_reference_model_matches_an_h100_row():
     ({"client": "rloo", "loss_type": "dapo"}, "loss_type 'dapo' is not one of none"),
     ({"client": "grpo", "vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization must be a fraction"),
     ({"client": "grpo", "method": "formula"}, "estimated by the exact method only"),
+    ({"client": "grpo", "steps_per_generation": 4096, "num_generations": 2}, "a generation every 4096 optimizer"),
 ])
 def test_bad_rollouts_are_refused_in_one_line(options, message):
     from pipeline.estimate import estimate
 
     options = {"batch": 8, "seq": 16, "max_completion_length": 8, **options}
-    if "loss_type" in options:  # not an estimate() argument: a GRPOConfig key of a file
-        options["grpo_config"] = {"loss_type": options.pop("loss_type")}
+    for key in ("loss_type", "steps_per_generation"):  # not estimate() arguments: GRPOConfig keys of a file
+        if key in options:
+            options["grpo_config"] = {**options.get("grpo_config", {}), key: options.pop(key)}
     with pytest.raises(UserError, match=message):
         estimate(config={**TINY_LLAMA}, precision="bf16-autocast", **options)
 

@@ -12,6 +12,12 @@ read -r -a gpus <<< "${GPUS:-0}"
 points=${1:-benchmarks/grpo/points.txt}
 mapfile -t lines < <(grep -v '^$' "$points")
 read -r -a only <<< "${ONLY:-$(seq -s ' ' 1 ${#lines[@]})}"
+for n in "${only[@]}"; do
+  if ! [[ "$n" =~ ^[0-9]+$ ]] || [ "$n" -lt 1 ] || [ "$n" -gt ${#lines[@]} ]; then
+    echo "ONLY: $n is not a line number of $points (1 to ${#lines[@]})" >&2
+    exit 2
+  fi
+done
 lane() {
   local index=$1 turn n line rollout options
   for turn in "${!only[@]}"; do

@@ -117,6 +117,9 @@ def read_llamafactory_config(source) -> dict:
     if client is None:
         raise UserError(f"{label}: stage {short(stage)} is not simulated (sft, pt and dpo are)")
     packing = args.get("packing")
+    if args.get("neat_packing") and args.get("flash_attn") != "fa2":
+        raise UserError(f"{label}: neat_packing without flash_attn fa2 makes a (B, 1, L, L) attention mask, which is "
+                        "not simulated yet: set flash_attn: fa2, or packing instead")
     vision = [key for key in LLAMAFACTORY_VISION_KEYS if key in args]
     if vision:
         raise UserError(f"{label}: {vision[0]} is set: a vision-language fine-tune (images through a processor) is "
@@ -133,7 +136,8 @@ def read_llamafactory_config(source) -> dict:
     adapter = llamafactory_adapter(args, label)
     notes = []
     if packing or (packing is None and stage == "pt") or args.get("neat_packing"):
-        notes.append(packing_note(label, "packing" if packing or stage != "pt" else "stage pt (packed by default)",
+        notes.append(packing_note(label, "packing" if packing else "neat_packing" if args.get("neat_packing") else
+                                  "stage pt (packed by default)",
                                   "per_device_train_batch_size", "cutoff_len"))
     if args.get("flash_attn") == "fa2":
         notes.append(f"{label}: flash_attn fa2 is answered with torch's SDPA flash path (the same saved tensors)")
@@ -165,10 +169,11 @@ def number(value):
     """A number the frameworks' parsers take from YAML 1.1's text (`5e-5` is a string to PyYAML, a float to
     Axolotl's pydantic and to LLaMA-Factory's HfArgumentParser)."""
     if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                continue
     return value
 
 
@@ -274,6 +279,8 @@ def framework_settings(args: dict, label: str, *, client: str, model, batch_key:
         raise UserError(f"{label}: the model must be a model id, not {short(model)}")
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0):
         raise UserError(f"{label}: {seq_key} must be a positive whole number, not {short(seq)}")
+    if optim is not None and not isinstance(optim, str):
+        raise UserError(f"{label}: the optimizer must be a name, not {short(optim)}")
     if optim in OPTIM_ALIASES:
         if OPTIM_ALIASES[optim] is None:
             raise UserError(f"{label}: optim {optim} is not simulated")

@@ -45,6 +45,7 @@ OBJECTS = ("config", "training_args", "peft_config", "sft_config", "accelerate_c
            "axolotl_config", "llamafactory_config")
 # Framework files the page pastes as they are: their YAML text is taken too (Axolotl's lists need a real parser).
 YAML_TEXT_FIELDS = ("axolotl_config", "llamafactory_config")
+MAX_YAML_TEXT = 64 << 10
 INTEGERS = ("batch", "seq", "num_gpus", "shard_group", "tensor_parallel", "gradient_accumulation", "lora_r",
             "lora_alpha", "num_generations", "max_completion_length")
 BOOLEANS = ("checkpointing", "expandable_segments", "liger_kernel", "use_vllm", *SEARCHES)
@@ -124,10 +125,20 @@ def yaml_mapping(text: str, name: str) -> dict:
     expand to gigabytes once the answer echoes the file)."""
     import yaml
 
-    from pipeline.core.io import parse_yaml
+    from pipeline.core.io import MAX_DEPTH, parse_yaml
 
+    # PyYAML's parser is slow on deep brackets and long texts, and the check runs before any time limit
+    if len(text) > MAX_YAML_TEXT:
+        raise UserError(f"{name}: over {MAX_YAML_TEXT >> 10} KiB of YAML (a framework file is a few kB)")
+    depth = deepest = 0
+    for char in text:
+        depth += 1 if char in "[{" else -1 if char in "]}" else 0
+        deepest = max(deepest, depth)
+    if deepest > MAX_DEPTH:
+        raise UserError(f"{name}: nested more than {MAX_DEPTH} levels deep")
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
-        aliased = any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader))
+        aliased = any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=loader))
     except yaml.YAMLError:
         aliased = False  # parse_yaml says what is wrong
     if aliased:

@@ -52,6 +52,10 @@ def check(client: str, rollout: Rollout, batch: int, accumulation: int, seq: int
     if seq is not None and local * (seq + full.max_completion_length) > MAX_TOKENS:
         raise UserError(f"{client}: a generation of {local} completions of {seq} + {full.max_completion_length} "
                         f"tokens per GPU is more than the {MAX_TOKENS:,} tokens this project estimates")
+    if steps * full.num_iterations // accumulation + 1 > MAX_ROLLOUT_STEPS:
+        raise UserError(f"{client}: a generation every {steps * full.num_iterations // accumulation} optimizer steps "
+                        f"(steps_per_generation {steps} x num_iterations {full.num_iterations}) is more than the "
+                        f"{MAX_ROLLOUT_STEPS - 1} this project simulates")
     if local * ranks % full.num_generations:
         across = f" x {ranks} GPUs" if ranks > 1 else ""
         raise UserError(f"{client}: the generation batch (batch {batch} x steps_per_generation {steps}{across} = "
@@ -104,6 +108,9 @@ def rollout_steps(setting: Setting) -> int:
     return max(STEPS, every // setting.gradient_accumulation + 1)
 
 
+MAX_ROLLOUT_STEPS = 65  # a generation every 64 optimizer steps at most: far beyond the recipes, bounds the simulation
+
+
 def dataset_prompts(setting: Setting, batch: int) -> int:
     """Prompts enough for the point's optimizer steps (`rollout_steps`) on every data-parallel rank (the ranks of
     torch.distributed's world where one is up), at least one generation batch."""
@@ -111,7 +118,8 @@ def dataset_prompts(setting: Setting, batch: int) -> int:
 
     ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     full = setting.rollout.defaults(setting.client)
-    completions = batch * setting.gradient_accumulation * rollout_steps(setting) * ranks
+    # num_iterations > 1: each generation's completions serve that many passes
+    completions = -(-batch * setting.gradient_accumulation * rollout_steps(setting) * ranks // full.num_iterations)
     return max(2, -(-completions // full.num_generations))
 
 

@@ -186,6 +186,9 @@ def rollouts_of(block: dict, path) -> list[str]:
     rollout_clients = [c for c in block.get("clients", ["loop"]) if c in ROLLOUT_CLIENTS]
     if block.get("rollouts") and not rollout_clients:
         raise UserError(f"{path}: rollouts are the grpo and rloo clients' settings")
+    for client in rollout_clients[1:]:  # each client's own check (RLOO has no loss_type)
+        for keys in given:
+            Rollout.of(keys, str(path), client)
     return [Rollout.of(keys, str(path), client).to_text() for keys in given for client in rollout_clients[:1]]
 
 

@@ -219,6 +219,7 @@ function frameworkQuestion() {
   } else {
     q.gpu = $("gpu").value;
   }
+  if ($("expandable_segments").checked) q.expandable_segments = true;
   return q;
 }
 
@@ -389,8 +390,9 @@ function showBoxes() {
   for (const node of document.querySelectorAll(".lora-only")) node.hidden = adapters === "none";
   $("quantization").disabled = adapters !== "qlora";
   $("gpu-memory-box").hidden = $("gpu").value !== "custom";
-  $("shard-group-box").hidden = $("sharding").value !== "hsdp";
-  $("tensor-parallel-box").hidden = $("client").value !== "loop";
+  const framework = source === "framework";  // the file names its sharding
+  $("shard-group-box").hidden = framework || $("sharding").value !== "hsdp";
+  $("tensor-parallel-box").hidden = framework || $("client").value !== "loop";
   modelHint();
 }
 
