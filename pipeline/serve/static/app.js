@@ -196,6 +196,11 @@ function question() {
   if (client === "loop" && tp !== undefined && tp !== 1) q.tensor_parallel = tp;
   const accelerate = $("accelerate_config").value.trim();
   if (accelerate) q.accelerate_config = parseAccelerate(accelerate);
+  return withGpu(q);
+}
+
+// The GPU of a question (from the catalogue, or its memory) and the allocator's expandable segments.
+function withGpu(q) {
   if ($("gpu").value === "custom") {
     const memory = numberOrText("gpu_memory_gib");
     q.gpu_memory_gib = memory === undefined ? "" : memory;
@@ -213,14 +218,7 @@ function frameworkQuestion() {
   const q = {[$("framework_kind").value]: text};
   const gpus = numberOrText("num_gpus");
   if (gpus !== undefined && gpus !== 1) q.num_gpus = gpus;
-  if ($("gpu").value === "custom") {
-    const memory = numberOrText("gpu_memory_gib");
-    q.gpu_memory_gib = memory === undefined ? "" : memory;
-  } else {
-    q.gpu = $("gpu").value;
-  }
-  if ($("expandable_segments").checked) q.expandable_segments = true;
-  return q;
+  return withGpu(q);
 }
 
 // An accelerate config as the server takes it (a JSON object): the JSON, or the YAML `accelerate config` writes
