@@ -94,6 +94,12 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
     if given["batch"] is None:
         raise UserError("the batch size is required: --batch (batch=), or per_device_train_batch_size in the "
                         "training file (or --max-batch-size)")
+    if given["seq"] is None and client in ROLLOUT_CLIENTS:
+        from pipeline.training.rollout import DEFAULT_PROMPT_LENGTH
+
+        given["seq"] = DEFAULT_PROMPT_LENGTH
+        notes.append(f"prompts of {DEFAULT_PROMPT_LENGTH} tokens (no --seq): GRPOConfig's max_prompt_length had this "
+                     "default until TRL removed it; give your dataset's longest prompt with --seq")
     if given["seq"] is None:
         raise UserError("the sequence length is required: --seq (seq=), or max_length in the SFT config")
     if given["checkpointing"] is None:

@@ -28,7 +28,8 @@ def add_cli(subparsers) -> None:
     source.add_argument("--params", help="parameter count N (blog and heuristic only)")
     parser.add_argument("--active-params", help="with --params: parameters active per token (MoE; default N)")
     parser.add_argument("--batch", type=positive_int, help="batch size B (optional with --max-batch-size)")
-    parser.add_argument("--seq", type=positive_int, help="sequence length L (optional with --max-seq-len)")
+    parser.add_argument("--seq", type=positive_int, help="sequence length L (optional with --max-seq-len; "
+                        "grpo / rloo: the prompt's, default 512)")
     parser.add_argument("--precision", choices=PRECISIONS, default=None,
                         help="required unless a training file (--training-args, --sft-config) or --client sft/dpo sets "
                              "bf16 / fp16: then the weights' dtype decides")
@@ -153,7 +154,8 @@ def _estimate_command(args) -> int:
     if args.grpo_config is not None and args.client is None:
         args.client = "grpo"
     files = [args.sft_config, args.axolotl_config, args.llamafactory_config]
-    if args.seq is None and not args.max_seq_len and all(f is None for f in files):
+    prompts_default = args.client in ROLLOUT_CLIENTS  # prompts of DEFAULT_PROMPT_LENGTH tokens, said in a note
+    if args.seq is None and not args.max_seq_len and all(f is None for f in files) and not prompts_default:
         raise UserError("--seq L is required (unless --max-seq-len, or a training file with its length: --sft-config, "
                         "--axolotl-config, --llamafactory-config)")
     if args.model is None and args.config is None and args.params is None and all(

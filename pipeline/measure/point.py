@@ -26,7 +26,7 @@ from dataclasses import asdict
 
 from pipeline.core.text import first_line
 from pipeline.core.errors import UserError
-from pipeline.core.vocabulary import ATTENTIONS, PRECISIONS, WEIGHT_BYTES, check_choice
+from pipeline.core.vocabulary import ATTENTIONS, PRECISIONS, ROLLOUT_CLIENTS, WEIGHT_BYTES, check_choice
 from pipeline.inputs.modeling import attn_used, build, count_parameters
 from pipeline.inputs.records import ModelRecord
 from pipeline.measure.clients import WRAPS_ADAPTERS, client_module
@@ -48,7 +48,12 @@ def weights_bytes(model, device: str) -> int:
 
 def mode_columns(setting: Setting, blog_use_cache: bool) -> dict:
     """The blog built its model with from_pretrained, which leaves it in eval mode with the config's
-    use_cache; the standard step trains in train mode with use_cache=False."""
+    use_cache; the standard step trains in train mode with use_cache=False; GRPO's and RLOO's generation uses
+    the KV cache (`training.grpo.generation_cache`)."""
+    if setting.client in ROLLOUT_CLIENTS:
+        from pipeline.training.rollout import Rollout
+
+        return {"train_mode": True, "use_cache": (setting.rollout or Rollout()).defaults(setting.client).use_cache}
     return {"train_mode": not setting.blog, "use_cache": blog_use_cache if setting.blog else False}
 
 

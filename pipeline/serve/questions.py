@@ -19,7 +19,7 @@ import json
 import math
 
 from pipeline.core.errors import UserError
-from pipeline.core.vocabulary import MAX_LORA_RANK, MAX_TOKENS
+from pipeline.core.vocabulary import MAX_LORA_RANK, MAX_TOKENS, ROLLOUT_CLIENTS
 
 # The server's caps (one line in docs/serve.md): the body of a request, and, tighter than the library's
 # own limits (core.vocabulary: tokens of one step, LoRA rank), the GPU's memory (which bounds the
@@ -111,7 +111,7 @@ def check(question) -> dict:
         raise UserError(f"ask for one of {', '.join(SEARCHES)}, not both {searches[0]} and {searches[1]}")
     if searches and "gpu" not in q and "gpu_memory_gib" not in q:
         raise UserError(f"{searches[0]} needs the GPU: gpu (a name) or gpu_memory_gib")
-    if "seq" not in q and not q.get("max_seq_len") and not any(
+    if "seq" not in q and not q.get("max_seq_len") and q.get("client") not in ROLLOUT_CLIENTS and not any(
             name in q for name in ("sft_config", "axolotl_config", "llamafactory_config")):
         raise UserError("seq is required (unless max_seq_len, or a training file with its length)")
     if q.get("layouts") or q.get("min_gpus"):

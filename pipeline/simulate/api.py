@@ -15,7 +15,18 @@ from pipeline.training.values import Estimate, Run
 def simulate(config, run: Run) -> Estimate:
     """The run's peak on meta tensors, by its client: the loop (`loop_peak`), transformers.Trainer
     (`trainer_peak`), TRL's SFTTrainer (`sft_peak`), DPOTrainer (`dpo_peak`), GRPOTrainer and RLOOTrainer
-    (`rollout_peak`) or several GPUs (`distributed_peak`)."""
+    (`rollout_peak`) or several GPUs (`distributed_peak`). A rollout's decode steps are replayed where they
+    repeat (`memory.decode`); where a checked step differs, the run is simulated again with every step traced."""
+    from pipeline.simulate.memory.decode import DecodeDiverged, replay_disabled
+
+    try:
+        return simulated(config, run)
+    except DecodeDiverged:
+        with replay_disabled():
+            return simulated(config, run)
+
+
+def simulated(config, run: Run) -> Estimate:
     if run.layout.sharded:
         return distributed_peak(config, run)
     if run.client == "trainer":

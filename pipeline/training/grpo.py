@@ -139,6 +139,13 @@ def rollout_arguments(setting: Setting, precision: str, batch: int, output_dir: 
                         **setting.rollout.arguments(), **setting.hyperparameters.arguments(), **extra)
 
 
+def generation_cache(model, setting: Setting) -> None:
+    """The model's generation config as a checkpoint's gives it: `generate` with the KV cache (the project's builds
+    switch use_cache off for the training step, and `generate` takes it from the generation config); off only
+    for rows measured before (`Rollout.use_cache`)."""
+    model.generation_config.use_cache = setting.rollout.defaults(setting.client).use_cache
+
+
 def trainer_class(client: str):
     import trl
 

@@ -15,6 +15,9 @@ LOSS_TYPES = {"grpo": ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "lusp
 VLLM_MODES = ("colocate", "server")
 MAX_GENERATIONS = 1024
 MAX_COMPLETION = 1 << 17
+# The prompt length asked when none is given: GRPOConfig's max_prompt_length default before TRL 1 removed the key
+# (prompts are now as long as the dataset's).
+DEFAULT_PROMPT_LENGTH = 512
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,9 @@ class Rollout:
     use_vllm: bool = False
     vllm_mode: str | None = None
     vllm_gpu_memory_utilization: float | None = None
+    # generation with the KV cache, as a checkpoint's generation config has it (`training.grpo.generation_cache`);
+    # False only in rows measured before the cache was switched on (their `use_cache` column)
+    use_cache: bool | None = None
 
     @classmethod
     def of(cls, args: dict, label: str, client: str) -> Rollout:
@@ -72,19 +78,19 @@ class Rollout:
                 raise UserError(f"{label}: vllm_gpu_memory_utilization must be a fraction between 0 and 1, "
                                 f"not {short(share)}")
             given["vllm_gpu_memory_utilization"] = float(share)
-        return cls(use_vllm=use_vllm, vllm_mode=mode, **given)
+        return cls(use_vllm=use_vllm, vllm_mode=mode, use_cache=True, **given)
 
     def defaults(self, client: str) -> Rollout:
         """The rollout with TRL's defaults of `client` filled in (what the run has)."""
         base = {"grpo": dict(num_generations=8, beta=0.0, loss_type="dapo"),
                 "rloo": dict(num_generations=2, beta=0.05)}[client]
         given = {k: v for k, v in asdict(self).items() if v is not None}
-        return Rollout(**{**dict(max_completion_length=512, num_iterations=1), **base, **given})
+        return Rollout(**{**dict(max_completion_length=512, num_iterations=1, use_cache=True), **base, **given})
 
     def arguments(self) -> dict:
         """The GRPOConfig / RLOOConfig keys given (vLLM's apart: the measurement generates with transformers)."""
         return {key: value for key, value in asdict(self).items()
-                if value is not None and not key.startswith("vllm") and key != "use_vllm"}
+                if value is not None and not key.startswith("vllm") and key not in ("use_vllm", "use_cache")}
 
     def to_text(self) -> str | None:
         """The tables' `rollout` cell: JSON of what is given, None for TRL's defaults."""

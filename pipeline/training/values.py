@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pipeline.core.io import cell
+from pipeline.core.vocabulary import ROLLOUT_CLIENTS
 from pipeline.training.adapters import AdapterSpec
 from pipeline.training.hyperparameters import Hyperparameters
 from pipeline.training.rollout import Rollout
@@ -153,13 +154,22 @@ class Run:
                    tensor_parallel=int(cell(row, "tensor_parallel") or 1), deepspeed=cell(row, "deepspeed") or None,
                    hyperparameters=Hyperparameters.from_text(cell(row, "hyperparameters")),
                    expandable_segments=expandable(cell(row, "alloc_conf")),
-                   rollout=Rollout.from_text(cell(row, "rollout")))
+                   rollout=rollout_of(row, client))
 
     def with_batch(self, batch: int) -> Run:
         return replace(self, batch=batch)
 
     def with_seq(self, seq: int) -> Run:
         return replace(self, seq=seq)
+
+
+def rollout_of(row, client: str) -> Rollout | None:
+    """A row's rollout; where its JSON does not say whether generation used the KV cache (rows measured before
+    it did), the row's `use_cache` column says."""
+    rollout = Rollout.from_text(cell(row, "rollout"))
+    if client not in ROLLOUT_CLIENTS or (rollout is not None and rollout.use_cache is not None):
+        return rollout
+    return replace(rollout or Rollout(), use_cache=bool(cell(row, "use_cache") or False))
 
 
 def expandable(alloc_conf) -> bool:

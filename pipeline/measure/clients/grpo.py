@@ -28,8 +28,9 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
     bytes)."""
     from pipeline.inputs.modeling import vocabulary_size
     from pipeline.measure.clients.sft import train_trl
-    from pipeline.training.grpo import (ReferenceBuilt, check, dataset_prompts, eos_out_of_reach, length_reward,
-                                        mark_phases, prompt_dataset, rollout_arguments, tokenizer, trainer_class)
+    from pipeline.training.grpo import (ReferenceBuilt, check, dataset_prompts, eos_out_of_reach,
+                                        generation_cache, length_reward, mark_phases, prompt_dataset,
+                                        rollout_arguments, tokenizer, trainer_class)
     from pipeline.training.sft import peft_config
 
     import torch.distributed as dist
@@ -38,6 +39,7 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
     check(setting.client, setting.rollout, batch, setting.gradient_accumulation, seq, ranks)
     vocab = vocabulary_size(model)
     eos_out_of_reach(model, vocab)
+    generation_cache(model, setting)
 
     def make_trainer(output_dir, times, extra):
         with ReferenceBuilt(model, device):

@@ -60,13 +60,15 @@ def meta_rollout_trainer(model, setting: Setting, precision: str, batch: int, se
     from pipeline.simulate.clients.dpo import references_prepared
     from pipeline.simulate.clients.parts import device_arguments, on_simulated_device, simulated_on
     from pipeline.training.grpo import (ReferenceBuilt, config_class, dataset_prompts, eos_out_of_reach,
-                                        length_reward, prompt_dataset, rollout_arguments, tokenizer, trainer_class)
+                                        generation_cache, length_reward, prompt_dataset, rollout_arguments,
+                                        tokenizer, trainer_class)
     from pipeline.training.sft import peft_config
 
     MetaTrainer, MetaConfig = on_simulated_device(trainer_class(setting.client), config_class(setting.client))
     datasets.disable_progress_bars()
     vocab = vocabulary_size(model)
     eos_out_of_reach(model, vocab)
+    generation_cache(model, setting)
     args = rollout_arguments(setting, precision, batch, tempfile.mkdtemp(prefix=f"avp-sim{setting.client}-"),
                              MetaConfig, **device_arguments(setting, model))
     with ReferenceBuilt(model, device_type), references_prepared(rules, precision):
@@ -233,9 +235,12 @@ class RolloutRun(SFTRun):
         mark_phases(trainer, lambda phase: tracker.start_phase(phase, "activations"))
 
     def context(self):
+        from pipeline.simulate.memory.decode import DecodeReplay
+
         stack = contextlib.ExitStack()
         if self.device_type == "meta":
             stack.enter_context(host_tensors())
+            stack.enter_context(DecodeReplay(self.tracker).installed())
         if self.world is not None:  # several GPUs: DeepSpeed's engine may run the steps
             stack.enter_context(deepspeed_autocast(self.rules))
         return stack

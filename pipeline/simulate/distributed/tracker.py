@@ -129,6 +129,8 @@ class ShardedTracker(LiveBytesTracker):
     def storage_resized(self, storage, nbytes: int) -> None:
         if storage.device.type != self.device_type:
             return
+        if self.tape is not None:
+            self.tape.append(("other",))
         entry = self.entries.get(id(storage))
         if entry is None:
             if nbytes > 0:

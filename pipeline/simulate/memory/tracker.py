@@ -84,6 +84,9 @@ class LiveBytesTracker(TorchDispatchMode):
         self.on_host = False  # storages made now are on the host: not counted
         # decides per op whether it runs on the host (ZeRO-Offload: `distributed.zero.HostOnMeta`); None: never
         self.host_placement = None
+        # a list while `decode.DecodeReplay` records a decode step: ("alloc", key, nbytes, stream, category),
+        # ("free", key), ("scratch", sizes), ("peak", extra), and ("other",) for what it cannot replay
+        self.tape = None
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -107,24 +110,51 @@ class LiveBytesTracker(TorchDispatchMode):
             self._resized(entry, nbytes)
             return
         if self.on_host or (self.host_placement is not None and self.host_placement.is_host(tensor)):
+            if self.tape is not None:
+                self.tape.append(("other",))
             return
-        address, size = self._malloc(nbytes)
-        category = category or self.category
+        stream = self.stream() if self.stream else 0
+        self.entries[key] = self._new_block(nbytes, stream, category or self.category,
+                                            weakref.ref(storage, partial(self._freed, key)))
+        if self.tape is not None:
+            self.tape.append(("alloc", key, nbytes, stream, self.entries[key][2]))
+
+    def _new_block(self, nbytes: int, stream, category: str, ref) -> list:
+        """A new storage's entry: its blocks in both replays, counted under `category`."""
+        address, size = self._malloc(nbytes, stream)
         self.seq += 1
-        ref = weakref.ref(storage, partial(self._freed, key))
-        self.entries[key] = [ref, size, category, self.seq, address, self._reserve(nbytes)]
         self.parts[category] += size
         self.live += size
+        return [ref, size, category, self.seq, address, self._reserve(nbytes, stream)]
 
-    def _malloc(self, nbytes: int):
+    def _malloc(self, nbytes: int, stream=None):
         if self.allocator is None or nbytes <= 0:
             return None, allocated_bytes(nbytes)
-        return self.allocator.malloc(nbytes, self.stream() if self.stream else 0)
+        return self.allocator.malloc(nbytes, stream if stream is not None else self.stream() if self.stream else 0)
 
-    def _reserve(self, nbytes: int):
+    def _reserve(self, nbytes: int, stream=None):
         if not self.reserved_allocator or nbytes <= 0:
             return None
-        return self.reserved_allocator.malloc(nbytes, self.stream() if self.stream else 0)[0]
+        return self.reserved_allocator.malloc(nbytes, stream if stream is not None else
+                                              self.stream() if self.stream else 0)[0]
+
+    # -- a decode step replayed (`decode.DecodeReplay`): its blocks before its tensors ----------------------
+    def replayed_alloc(self, nbytes: int, stream, category: str) -> object:
+        """A storage's allocation as `track` counts it, for no tensor yet: its key (`adopt` gives it one)."""
+        key = object()
+        self.entries[key] = self._new_block(nbytes, stream, category, None)
+        return key
+
+    def replayed_free(self, key) -> None:
+        """A storage freed as its last reference going frees it (`_freed`)."""
+        self._freed(key, None)
+
+    def adopt(self, key, tensor) -> None:
+        """`tensor`'s storage (made outside the tracker) takes the entry of `replayed_alloc`'s `key`."""
+        storage = tensor.untyped_storage()
+        entry = self.entries.pop(key)
+        entry[0] = weakref.ref(storage, partial(self._freed, id(storage)))
+        self.entries[id(storage)] = entry
 
     def is_counted(self, tensor) -> bool:
         """Whether `tensor`'s storage is counted (on the simulated GPU), not the host's."""
@@ -154,6 +184,8 @@ class LiveBytesTracker(TorchDispatchMode):
     def empty_cache(self) -> None:
         """torch.cuda.empty_cache(): the cached segments that are one free block go back, in the allocated
         bytes' replay and the reserved one."""
+        if self.tape is not None:
+            self.tape.append(("other",))
         for allocator in (self.allocator, self.reserved_allocator):
             if allocator is not None:
                 allocator.empty_cache()
@@ -173,6 +205,8 @@ class LiveBytesTracker(TorchDispatchMode):
         """A storage that an op grew in place (`resize_`, `out=` arguments)."""
         if allocated_bytes(nbytes) <= entry[1]:
             return  # storages only grow; a grown one is a new block (the old one freed after the copy)
+        if self.tape is not None:
+            self.tape.append(("other",))
         address, size = self._malloc(nbytes)
         if entry[4] is not None:
             self.allocator.free(entry[4])
@@ -185,6 +219,8 @@ class LiveBytesTracker(TorchDispatchMode):
     def _freed(self, key, _ref) -> None:
         entry = self.entries.pop(key, None)
         if entry is not None:
+            if self.tape is not None:
+                self.tape.append(("free", key))
             self.parts[entry[2]] -= entry[1]
             self.live -= entry[1]
             if entry[4] is not None:
@@ -200,6 +236,8 @@ class LiveBytesTracker(TorchDispatchMode):
         entry = self.entries.get(id(tensor.untyped_storage()))
         if entry is None or entry[2] == category:
             return
+        if self.tape is not None:
+            self.tape.append(("other",))
         size, old, seq = entry[1], entry[2], entry[3]
         for snap in self.peaks.values():
             if snap.seq >= seq:
@@ -219,6 +257,8 @@ class LiveBytesTracker(TorchDispatchMode):
         return sum(seen.values())
 
     def note_peak(self, extra: int = 0) -> None:
+        if self.tape is not None:
+            self.tape.append(("peak", extra))
         total = self.live + extra
         for name in ("total", self.phase):
             if name is None:
@@ -230,6 +270,8 @@ class LiveBytesTracker(TorchDispatchMode):
                 self.peaks[name] = Snapshot(total, parts, self.seq)
 
     def start_phase(self, phase: str, category: str) -> None:
+        if self.tape is not None:
+            self.tape.append(("other",))
         self.phase = phase
         self.category = category
         self.note_peak()
@@ -277,9 +319,13 @@ class LiveBytesTracker(TorchDispatchMode):
         if rule is None:
             self.note_peak()
             return out
-        scratch = rule(args, kwargs, out)
-        extra = sum(allocated_bytes(n) for n in scratch)
-        for address in [self._reserve(n) for n in scratch]:
-            self._unreserve(address)
-        self.note_peak(extra)
+        self.scratch(rule(args, kwargs, out))
         return out
+
+    def scratch(self, sizes) -> None:
+        """A kernel's scratch space: allocated and freed inside its op, counted at its peak."""
+        if self.tape is not None:
+            self.tape.append(("scratch", tuple(sizes)))
+        for address in [self._reserve(n) for n in sizes]:
+            self._unreserve(address)
+        self.note_peak(sum(allocated_bytes(n) for n in sizes))

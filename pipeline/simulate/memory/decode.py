@@ -1,0 +1,264 @@
+"""Generation's decode steps replayed instead of traced: the exact answer for long completions in seconds.
+
+`generate` runs the model once per new token: with 1,024-token completions a GRPO step runs a 28-layer model a
+thousand times, and tracing each op of those steps was most of the simulation's time. Yet from its second step
+on, a decode step with a `DynamicCache` makes the same requests of the allocator in the same order, step after
+step, only longer by one token where they hold the cache or read it: its storages' sizes are affine in the step.
+So the first steps are traced, their events recorded (the tracker's tape: every storage made and freed, the
+kernels' scratch space, the peak checks, each stream), and when three consecutive steps agree (the same events,
+sizes moving by the same bytes), each later step is replayed: the same events, at its sizes, fed to the
+tracker's live bytes and both allocator replays, in order; then the storages that outlive the step (the cache's
+grown keys and values, the logits) are made as meta tensors of the step's shapes and take their blocks, the cache
+is given them, and the step's output is returned. The allocators see every request the traced step would have
+made, so the peak, the reserved bytes and the segments come out as a traced run's.
+
+Checked, not assumed: every `CHECK_EVERY`-th step and the last one are traced, and their events compared with
+what the replay would have made; any difference raises `DecodeDiverged`, and the simulation is run again with
+every step traced (`simulate.api.simulate`). Anything the replay cannot make (a storage resized in place,
+FSDP2's gathers, a phase change, a sliding-window or hybrid cache, an output beside the logits and the cache) and
+the steps are traced as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+RECORDED = 4  # decode steps traced first: the first after the prefill differs (it frees the prefill's cache)
+CHECK_EVERY = 128
+_enabled = [True]
+
+
+class DecodeDiverged(RuntimeError):
+    """A traced check step's events are not what the replay would have made (`simulate.api.simulate` re-runs)."""
+
+
+@contextlib.contextmanager
+def replay_disabled():
+    """Every decode step traced (after a `DecodeDiverged`)."""
+    saved, _enabled[0] = _enabled[0], False
+    try:
+        yield
+    finally:
+        _enabled[0] = saved
+
+
+@dataclass(frozen=True)
+class StepEvents:
+    """One decode step's tape with its storages numbered in the order made: ("alloc", nbytes, stream,
+    category), ("free", "here" | "before", index), ("scratch", sizes), ("peak", extra); the storages alive after
+    the step (`survivors`: index -> where the real run keeps it, shape, dtype)."""
+
+    events: tuple
+    survivors: tuple  # ((index, role, shape, dtype), ...); role: ("cache", layer, "keys" | "values") or ("logits",)
+
+    def numbers(self) -> list:
+        """The sizes of the step, in order: what varies from step to step."""
+        out = []
+        for event in self.events:
+            if event[0] == "alloc":
+                out.append(event[1])
+            elif event[0] == "scratch":
+                out.extend(event[1])
+            elif event[0] == "peak":
+                out.append(event[1])
+        for survivor in self.survivors:
+            out.extend(survivor[2])
+        return out
+
+    def shape(self) -> tuple:
+        """The step without its sizes: what must not vary."""
+        events = tuple(("alloc", e[2], e[3]) if e[0] == "alloc" else ("scratch", len(e[1])) if e[0] == "scratch"
+                       else ("peak",) if e[0] == "peak" else e for e in self.events)
+        return events, tuple((s[0], s[1], len(s[2]), s[3]) for s in self.survivors)
+
+    def at(self, numbers: list) -> StepEvents:
+        """These events with `numbers` as their sizes."""
+        sizes = iter(numbers)
+        events = []
+        for event in self.events:
+            if event[0] == "alloc":
+                events.append(("alloc", next(sizes), event[2], event[3]))
+            elif event[0] == "scratch":
+                events.append(("scratch", tuple(next(sizes) for _ in event[1])))
+            elif event[0] == "peak":
+                events.append(("peak", next(sizes)))
+            else:
+                events.append(event)
+        survivors = tuple((s[0], s[1], tuple(next(sizes) for _ in s[2]), s[3]) for s in self.survivors)
+        return StepEvents(tuple(events), survivors)
+
+
+class Template:
+    """Three consecutive steps that agree: the events of step `first + k` are step `first`'s moved k times by
+    the difference between the second and the first."""
+
+    def __init__(self, first: int, steps: list):
+        self.first, self.base = first, steps[0]
+        a, b, c = (step.numbers() for step in steps)
+        self.delta = [y - x for x, y in zip(a, b)]
+        shapes = {step.shape() for step in steps}
+        self.valid = len(shapes) == 1 and len(a) == len(b) == len(c) and \
+            all(z - y == d for y, z, d in zip(b, c, self.delta))
+
+    def step(self, index: int) -> StepEvents:
+        k = index - self.first
+        return self.base.at([x + k * d for x, d in zip(self.base.numbers(), self.delta)])
+
+
+class DecodeReplay:
+    """`GenerationMixin._sample` with its decode steps' forward replayed where they repeat (module docstring);
+    used as a context around the run (`installed`)."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    @contextlib.contextmanager
+    def installed(self):
+        from transformers.generation.utils import GenerationMixin
+
+        if not _enabled[0] or self.tracker.device_type != "meta":
+            yield
+            return
+        original, tracker = GenerationMixin._sample, self.tracker
+
+        def sample(model, *args, **kwargs):
+            decode = Decode(tracker, model, kwargs["generation_config"].max_new_tokens)
+            model.__call__ = decode.forward  # what `_sample` calls per decode step (`self.__call__`)
+            try:
+                return original(model, *args, **kwargs)
+            finally:
+                model.__dict__.pop("__call__", None)
+
+        GenerationMixin._sample = sample
+        try:
+            yield
+        finally:
+            GenerationMixin._sample = original
+
+
+class Decode:
+    """One `_sample` call's decode steps (`DecodeReplay`)."""
+
+    def __init__(self, tracker, model, new_tokens: int | None):
+        self.tracker, self.model = tracker, model
+        self.last = (new_tokens or 0) - 1  # decode steps after the prefill, each running to max_new_tokens
+        self.index = 0
+        self.recorded = []
+        self.template = None
+        self.before = {}  # the previous step's survivors: index -> tracker key
+        self.usable = True
+        self.output_type = None
+
+    def forward(self, *args, **kwargs):
+        self.index += 1
+        traced = type(self.model).__call__
+        if not self.usable or args:
+            return traced(self.model, *args, **kwargs)
+        if self.template is None or self.index % CHECK_EVERY == 0 or self.index == self.last:
+            return self.traced(traced, kwargs)
+        return self.replayed(kwargs)
+
+    def traced(self, traced, kwargs):
+        tracker = self.tracker
+        tracker.tape = []
+        try:
+            out = traced(self.model, **kwargs)
+        finally:
+            tape, tracker.tape = tracker.tape, None
+        step = self.numbered(tape, kwargs.get("past_key_values"), out)
+        if step is None:
+            self.usable = False
+            return out
+        if self.template is not None:
+            if step != self.template.step(self.index):
+                raise DecodeDiverged(f"decode step {self.index}: the traced events differ from the replay's")
+        elif self.index > 1:
+            self.recorded.append(step)
+            if len(self.recorded) == RECORDED - 1:
+                template = Template(self.index - 2, self.recorded)
+                self.usable, self.template = template.valid, template if template.valid else None
+        return out
+
+    def numbered(self, tape, cache, out) -> StepEvents | None:
+        """The tape with its storages numbered, and its survivors' roles; None if it cannot be replayed. The
+        first step frees the prefill's cache, made before any tape: those frees are left out of its events."""
+        if getattr(out, "loss", None) is not None or not cacheable(cache):
+            return None
+        here, before = {}, {key: index for index, key in self.before.items()}
+        events, count = [], 0
+        for event in tape:
+            kind = event[0]
+            if kind == "alloc":
+                here[event[1]] = count
+                events.append(("alloc", event[2], event[3], event[4]))
+                count += 1
+            elif kind == "free":
+                if event[1] in here:
+                    events.append(("free", "here", here.pop(event[1])))
+                elif event[1] in before:
+                    events.append(("free", "before", before.pop(event[1])))
+                elif self.index > 1:
+                    return None
+            elif kind in ("scratch", "peak"):
+                events.append(event)
+            else:
+                return None
+        roles = {}
+        for layer, cached in enumerate(cache.layers):
+            roles[id(cached.keys.untyped_storage())] = (("cache", layer, "keys"), cached.keys)
+            roles[id(cached.values.untyped_storage())] = (("cache", layer, "values"), cached.values)
+        roles[id(out.logits.untyped_storage())] = (("logits",), out.logits)
+        survivors = []
+        for key, index in here.items():
+            if key not in roles:
+                return None
+            role, tensor = roles[key]
+            if not tensor.is_contiguous() or tensor.storage_offset():
+                return None
+            survivors.append((index, role, tuple(tensor.shape), tensor.dtype))
+        if any(v is not None for k, v in out.items() if k not in ("logits", "past_key_values")):
+            return None
+        self.before = {index: key for key, index in here.items()}
+        self.output_type = type(out)
+        return StepEvents(tuple(events), tuple(sorted(survivors, key=lambda s: s[0])))
+
+    def replayed(self, kwargs):
+        import torch
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        step, tracker, cache = self.template.step(self.index), self.tracker, kwargs["past_key_values"]
+        keys = []
+        for event in step.events:
+            kind = event[0]
+            if kind == "alloc":
+                keys.append(tracker.replayed_alloc(event[1], event[2], event[3]))
+            elif kind == "free":
+                tracker.replayed_free(keys[event[2]] if event[1] == "here" else self.before[event[2]])
+            elif kind == "scratch":
+                tracker.scratch(event[1])
+            else:
+                tracker.note_peak(event[1])
+        logits, self.before = None, {}
+        with _disable_current_modes():
+            made = [(index, role, torch.empty(shape, dtype=dtype, device="meta"))
+                    for index, role, shape, dtype in step.survivors]
+        for index, role, tensor in made:
+            tracker.adopt(keys[index], tensor)
+            self.before[index] = id(tensor.untyped_storage())
+            if role[0] == "logits":
+                logits = tensor
+            else:
+                setattr(cache.layers[role[1]], role[2], tensor)
+        return self.output(logits, cache)
+
+    def output(self, logits, cache):
+        return self.output_type(logits=logits, past_key_values=cache)
+
+
+def cacheable(cache) -> bool:
+    """A cache whose every layer grows by one token a step: transformers' DynamicCache of DynamicLayers."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
