@@ -36,6 +36,8 @@ COLUMN_DTYPES = {
     # GRPO / RLOO (`training.rollout`): the rollout's keys as JSON (None: TRL's defaults); every phase's peak (JSON:
     # generation and log-probs beside forward, backward, optimizer); the peak so far after each optimizer step
     "rollout": "string", "phase_peaks": "string", "step_peaks": "string",
+    # PYTORCH_CUDA_ALLOC_CONF as the process had it (None: the allocator's defaults)
+    "alloc_conf": "string",
 }
 COLUMNS = tuple(COLUMN_DTYPES)
 
