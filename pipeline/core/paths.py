@@ -68,6 +68,9 @@ SETTINGS_TABLES = {
     "results/grpo_heldout/h200/peak_memory.parquet": "held-out",
     # config/sweep_grpo_distributed_heldout.yaml: GRPO and RLOO under FSDP2 and ZeRO-3 on 2 GPUs
     "results/grpo_distributed_heldout/h200/peak_memory.parquet": "held-out",
+    # benchmarks/grpo/points.txt lines 11-17: generation with the KV cache, completions to 2,048, a 14B point past
+    # the GPU (with and without expandable segments)
+    "results/grpo_cache_heldout/h200/peak_memory.parquet": "held-out",
 }
 SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
 SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"
