@@ -71,6 +71,8 @@ SETTINGS_TABLES = {
     # benchmarks/grpo/points.txt lines 11-17: generation with the KV cache, completions to 2,048, a 14B point past
     # the GPU (with and without expandable segments)
     "results/grpo_cache_heldout/h200/peak_memory.parquet": "held-out",
+    # config/sweep_grpo_cache_distributed_heldout.yaml: the KV cache under ZeRO-3 on 2 GPUs
+    "results/grpo_cache_distributed_heldout/h200/peak_memory.parquet": "held-out",
 }
 SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
 SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"
