@@ -191,7 +191,7 @@ def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
         ("grpo", "fsdp", 0), ("grpo", "fsdp", 1), ("loop", "ddp", 0), ("loop", "ddp", 1), ("loop", "fsdp", 0),
         ("loop", "fsdp", 1), ("sft", "ddp", 0), ("sft", "ddp", 1)]
     grpo = rows[rows["client"] == "grpo"]
-    assert set(grpo["rollout"]) == {'{"beta": 0.04, "max_completion_length": 4, "num_generations": 2}'}
+    assert set(grpo["rollout"]) == {'{"beta": 0.04, "max_completion_length": 4, "num_generations": 2, "use_cache": true}'}
     assert set(grpo["gradient_checkpointing"]) == {True}  # GRPOConfig's default
     assert set(rows["num_gpus"]) == {2} and set(rows["first_in_process"]) == {True}
     sft = rows[rows["client"] == "sft"]

@@ -8,7 +8,7 @@ import sys
 
 from pipeline.core.errors import UserError
 from pipeline.core.paths import CONFIGS
-from pipeline.core.vocabulary import ATTENTIONS, CLIENTS, OPTIMIZERS, OPTIMS, PRECISIONS, VARIANTS
+from pipeline.core.vocabulary import ATTENTIONS, CLIENTS, OPTIMIZERS, OPTIMS, PRECISIONS, ROLLOUT_CLIENTS, VARIANTS
 from pipeline.inputs.records import model_record
 from pipeline.measure.device import cuda_device
 from pipeline.measure.point import measure
@@ -66,6 +66,8 @@ def _measure_command(args) -> int:
         if not isinstance(keys, dict):
             raise UserError("--rollout must be a JSON object of GRPOConfig keys")
         rollout = Rollout.of(keys, "--rollout", args.client)
+    elif args.client in ROLLOUT_CLIENTS:  # TRL's defaults, the KV cache written in the row's rollout
+        rollout = Rollout.of({}, "--rollout", args.client)
     setting = Setting(args.variant, args.optimizer, args.checkpointing, args.client, args.optim,
                       args.gradient_accumulation, adapter_from_arguments(args), args.liger_kernel, args.completion_share,
                       rollout=rollout)

@@ -20,6 +20,7 @@ import math
 
 from pipeline.core.errors import UserError
 from pipeline.core.vocabulary import MAX_LORA_RANK, MAX_TOKENS, ROLLOUT_CLIENTS
+from pipeline.training.rollout import DEFAULT_PROMPT_LENGTH
 
 # The server's caps (one line in docs/serve.md): the body of a request, and, tighter than the library's
 # own limits (core.vocabulary: tokens of one step, LoRA rank), the GPU's memory (which bounds the
@@ -112,7 +113,7 @@ def check(question) -> dict:
     if searches and "gpu" not in q and "gpu_memory_gib" not in q:
         raise UserError(f"{searches[0]} needs the GPU: gpu (a name) or gpu_memory_gib")
     if "seq" not in q and not q.get("max_seq_len") and q.get("client") not in ROLLOUT_CLIENTS and not any(
-            name in q for name in ("sft_config", "axolotl_config", "llamafactory_config")):
+            name in q for name in ("sft_config", "axolotl_config", "llamafactory_config", "grpo_config")):
         raise UserError("seq is required (unless max_seq_len, or a training file with its length)")
     if q.get("layouts") or q.get("min_gpus"):
         check_layouts_question(q)
@@ -164,7 +165,7 @@ def check_layouts_question(q: dict) -> None:
 
 
 def check_limits(q: dict) -> None:
-    batch, seq = q.get("batch", 1), q.get("seq", 1)
+    batch, seq = q.get("batch", 1), q.get("seq", DEFAULT_PROMPT_LENGTH if q.get("client") in ROLLOUT_CLIENTS else 1)
     if batch * seq > MAX_TOKENS:
         raise UserError(f"batch x seq = {batch * seq:,} tokens is over the server's limit of {MAX_TOKENS:,}")
     gib = q.get("gpu_memory_gib")

@@ -126,9 +126,11 @@ class DecodeReplay:
             decode = Decode(tracker, model, kwargs["generation_config"].max_new_tokens)
             model.__call__ = decode.forward  # what `_sample` calls per decode step (`self.__call__`)
             try:
-                return original(model, *args, **kwargs)
+                out = original(model, *args, **kwargs)
             finally:
                 model.__dict__.pop("__call__", None)
+            decode.finished()
+            return out
 
         GenerationMixin._sample = sample
         try:
@@ -150,6 +152,11 @@ class Decode:
         self.usable = True
         self.output_type = None
 
+    def finished(self) -> None:
+        """Generation ended: steps replayed after the last check (an early stop) were never compared."""
+        if self.template is not None and self.index % CHECK_EVERY and self.index != self.last:
+            raise DecodeDiverged(f"generation stopped at decode step {self.index}, before its last check")
+
     def forward(self, *args, **kwargs):
         self.index += 1
         traced = type(self.model).__call__
@@ -167,6 +174,8 @@ class Decode:
         finally:
             tape, tracker.tape = tracker.tape, None
         step = self.numbered(tape, kwargs.get("past_key_values"), out)
+        if step is None and self.template is not None:
+            raise DecodeDiverged(f"decode step {self.index}: events the replay cannot make")
         if step is None:
             self.usable = False
             return out

@@ -259,6 +259,9 @@ class LiveBytesTracker(TorchDispatchMode):
     def note_peak(self, extra: int = 0) -> None:
         if self.tape is not None:
             self.tape.append(("peak", extra))
+        self._peak(extra)
+
+    def _peak(self, extra: int) -> None:
         total = self.live + extra
         for name in ("total", self.phase):
             if name is None:
@@ -328,4 +331,4 @@ class LiveBytesTracker(TorchDispatchMode):
             self.tape.append(("scratch", tuple(sizes)))
         for address in [self._reserve(n) for n in sizes]:
             self._unreserve(address)
-        self.note_peak(sum(allocated_bytes(n) for n in sizes))
+        self._peak(sum(allocated_bytes(n) for n in sizes))  # the tape's scratch event implies it
