@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 RECORDED = 4  # decode steps traced first: the first after the prefill differs (it frees the prefill's cache)
 CHECK_EVERY = 128
-_enabled = [True]
+_enabled = True
 
 
 class DecodeDiverged(RuntimeError):
@@ -36,74 +36,44 @@ class DecodeDiverged(RuntimeError):
 @contextlib.contextmanager
 def replay_disabled():
     """Every decode step traced (after a `DecodeDiverged`)."""
-    saved, _enabled[0] = _enabled[0], False
+    global _enabled
+    saved, _enabled = _enabled, False
     try:
         yield
     finally:
-        _enabled[0] = saved
+        _enabled = saved
 
 
 @dataclass(frozen=True)
 class StepEvents:
-    """One decode step's tape with its storages numbered in the order made: ("alloc", nbytes, stream,
-    category), ("free", "here" | "before", index), ("scratch", sizes), ("peak", extra); the storages alive after
-    the step (`survivors`: index -> where the real run keeps it, shape, dtype)."""
+    """One decode step's tape, its storages numbered in the order made, split into what must be the same from step
+    to step (`events`, `survivors`) and the numbers that may move (`sizes`, in order). Events: ("alloc", stream,
+    category), its bytes in `sizes`; ("free", "here" | "before", index); ("scratch", count), its sizes in `sizes`;
+    ("peak",), its extra bytes in `sizes`. Survivors, the storages alive after the step: (index, role, dtype,
+    ndim), their shapes in `sizes` after the events'; role: ("cache", layer, "keys" | "values") or ("logits",)."""
 
     events: tuple
-    survivors: tuple  # ((index, role, shape, dtype), ...); role: ("cache", layer, "keys" | "values") or ("logits",)
+    survivors: tuple
+    sizes: tuple
 
-    def numbers(self) -> list:
-        """The sizes of the step, in order: what varies from step to step."""
-        out = []
-        for event in self.events:
-            if event[0] == "alloc":
-                out.append(event[1])
-            elif event[0] == "scratch":
-                out.extend(event[1])
-            elif event[0] == "peak":
-                out.append(event[1])
-        for survivor in self.survivors:
-            out.extend(survivor[2])
-        return out
-
-    def shape(self) -> tuple:
-        """The step without its sizes: what must not vary."""
-        events = tuple(("alloc", e[2], e[3]) if e[0] == "alloc" else ("scratch", len(e[1])) if e[0] == "scratch"
-                       else ("peak",) if e[0] == "peak" else e for e in self.events)
-        return events, tuple((s[0], s[1], len(s[2]), s[3]) for s in self.survivors)
-
-    def at(self, numbers: list) -> StepEvents:
-        """These events with `numbers` as their sizes."""
-        sizes = iter(numbers)
-        events = []
-        for event in self.events:
-            if event[0] == "alloc":
-                events.append(("alloc", next(sizes), event[2], event[3]))
-            elif event[0] == "scratch":
-                events.append(("scratch", tuple(next(sizes) for _ in event[1])))
-            elif event[0] == "peak":
-                events.append(("peak", next(sizes)))
-            else:
-                events.append(event)
-        survivors = tuple((s[0], s[1], tuple(next(sizes) for _ in s[2]), s[3]) for s in self.survivors)
-        return StepEvents(tuple(events), survivors)
+    def at(self, sizes) -> StepEvents:
+        return StepEvents(self.events, self.survivors, tuple(sizes))
 
 
 class Template:
-    """Three consecutive steps that agree: the events of step `first + k` are step `first`'s moved k times by
-    the difference between the second and the first."""
+    """Three consecutive steps that agree: the events of step `first + k` are step `first`'s, its sizes moved k
+    times by the difference between the second and the first."""
 
     def __init__(self, first: int, steps: list):
         self.first, self.base = first, steps[0]
-        a, b, c = (step.numbers() for step in steps)
+        a, b, c = (step.sizes for step in steps)
         self.delta = [y - x for x, y in zip(a, b)]
-        shapes = {step.shape() for step in steps}
-        self.valid = len(shapes) == 1 and len(a) == len(b) == len(c) and \
-            all(z - y == d for y, z, d in zip(b, c, self.delta))
+        self.valid = all((s.events, s.survivors) == (self.base.events, self.base.survivors) for s in steps) and \
+            len(a) == len(b) == len(c) and all(z - y == d for y, z, d in zip(b, c, self.delta))
 
     def step(self, index: int) -> StepEvents:
         k = index - self.first
-        return self.base.at([x + k * d for x, d in zip(self.base.numbers(), self.delta)])
+        return self.base.at(x + k * d for x, d in zip(self.base.sizes, self.delta))
 
 
 class DecodeReplay:
@@ -117,7 +87,7 @@ class DecodeReplay:
     def installed(self):
         from transformers.generation.utils import GenerationMixin
 
-        if not _enabled[0] or self.tracker.device_type != "meta":
+        if not _enabled or self.tracker.device_type != "meta":
             yield
             return
         original, tracker = GenerationMixin._sample, self.tracker
@@ -195,13 +165,14 @@ class Decode:
         if getattr(out, "loss", None) is not None or not cacheable(cache):
             return None
         here, before = {}, {key: index for index, key in self.before.items()}
-        events, count = [], 0
+        events, sizes, count = [], [], 0
         for event in tape:
             kind = event[0]
             if kind == "alloc":
                 here[event[1]] = count
-                events.append(("alloc", event[2], event[3], event[4]))
                 count += 1
+                events.append(("alloc", event[3], event[4]))
+                sizes.append(event[2])
             elif kind == "free":
                 if event[1] in here:
                     events.append(("free", "here", here.pop(event[1])))
@@ -209,8 +180,12 @@ class Decode:
                     events.append(("free", "before", before.pop(event[1])))
                 elif self.index > 1:
                     return None
-            elif kind in ("scratch", "peak"):
-                events.append(event)
+            elif kind == "scratch":
+                events.append(("scratch", len(event[1])))
+                sizes.extend(event[1])
+            elif kind == "peak":
+                events.append(("peak",))
+                sizes.append(event[1])
             else:
                 return None
         roles = {}
@@ -219,39 +194,40 @@ class Decode:
             roles[id(cached.values.untyped_storage())] = (("cache", layer, "values"), cached.values)
         roles[id(out.logits.untyped_storage())] = (("logits",), out.logits)
         survivors = []
-        for key, index in here.items():
+        for key, index in sorted(here.items(), key=lambda item: item[1]):
             if key not in roles:
                 return None
             role, tensor = roles[key]
             if not tensor.is_contiguous() or tensor.storage_offset():
                 return None
-            survivors.append((index, role, tuple(tensor.shape), tensor.dtype))
+            survivors.append((index, role, tensor.dtype, tensor.dim()))
+            sizes.extend(tensor.shape)
         if any(v is not None for k, v in out.items() if k not in ("logits", "past_key_values")):
             return None
         self.before = {index: key for key, index in here.items()}
         self.output_type = type(out)
-        return StepEvents(tuple(events), tuple(sorted(survivors, key=lambda s: s[0])))
+        return StepEvents(tuple(events), tuple(survivors), tuple(sizes))
 
     def replayed(self, kwargs):
         import torch
         from torch.utils._python_dispatch import _disable_current_modes
 
         step, tracker, cache = self.template.step(self.index), self.tracker, kwargs["past_key_values"]
-        keys = []
+        sizes, keys = iter(step.sizes), []
         for event in step.events:
             kind = event[0]
             if kind == "alloc":
-                keys.append(tracker.replayed_alloc(event[1], event[2], event[3]))
+                keys.append(tracker.replayed_alloc(next(sizes), event[1], event[2]))
             elif kind == "free":
                 tracker.replayed_free(keys[event[2]] if event[1] == "here" else self.before[event[2]])
             elif kind == "scratch":
-                tracker.scratch(event[1])
+                tracker.scratch([next(sizes) for _ in range(event[1])])
             else:
-                tracker.note_peak(event[1])
+                tracker.note_peak(next(sizes))
         logits, self.before = None, {}
         with _disable_current_modes():
-            made = [(index, role, torch.empty(shape, dtype=dtype, device="meta"))
-                    for index, role, shape, dtype in step.survivors]
+            made = [(index, role, torch.empty([next(sizes) for _ in range(ndim)], dtype=dtype, device="meta"))
+                    for index, role, dtype, ndim in step.survivors]
         for index, role, tensor in made:
             tracker.adopt(keys[index], tensor)
             self.before[index] = id(tensor.untyped_storage())
@@ -259,9 +235,6 @@ class Decode:
                 logits = tensor
             else:
                 setattr(cache.layers[role[1]], role[2], tensor)
-        return self.output(logits, cache)
-
-    def output(self, logits, cache):
         return self.output_type(logits=logits, past_key_values=cache)
 
 
