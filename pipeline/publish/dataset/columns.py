@@ -140,7 +140,8 @@ COLUMNS = {
     "measure_device": ("", "device type of the measurement: cuda (real peaks) or cpu (debug, no peaks)"),
     "attn_implementation_used": ("", "attention implementation the built model really used"),
     "train_mode": ("", "the model was in train mode (standard step) rather than eval (blog variant)"),
-    "use_cache": ("", "the forward used the KV cache (only the blog variant can)"),
+    "use_cache": ("", "the forward used the KV cache (the blog variant's; grpo, rloo: generation, false in rows "
+                      "measured before it was switched on)"),
     "allow_tf32": ("", "fp32 matmuls ran on TF32 tensor cores (speed only; memory is the same)"),
     "build_seconds": ("s", "wall time to build the model with random weights on the device"),
     "started_at": ("s since epoch", "when the point started (Unix time)"),
