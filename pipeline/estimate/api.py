@@ -29,7 +29,8 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
              training_args=None, num_gpus=None, sharding=None, adapter=None, liger_kernel=None, completion_share=None,
              sft_config=None, weights_dtype=None, declared_dtype=None, shard_group=None, tensor_parallel=None,
              accelerate_config=None, deepspeed=None, alloc_conf=None, rollout=None,
-             grpo_config=None, axolotl_config=None, llamafactory_config=None) -> tuple[Run, list]:
+             grpo_config=None, axolotl_config=None, llamafactory_config=None, packing=None,
+             padding_free=None) -> tuple[Run, list]:
     """The Run of the user's options, and notes. `training_args` (a TrainingArguments JSON path or dict)
     sets the trainer client and what it names, `sft_config` (TRL's SFT config, YAML or JSON) the sft
     client and what it names; an option given explicitly wins over a file's.
@@ -115,7 +116,8 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
               completion_share=1.0 if completion_share is None else completion_share,
               deepspeed=from_file.get("deepspeed"),
               hyperparameters=from_file.get("hyperparameters") or Hyperparameters(),
-              rollout=rollout_of(client, from_file.get("rollout"), rollout))
+              rollout=rollout_of(client, from_file.get("rollout"), rollout),
+              packing=packing_of(client, from_file.get("packing"), packing, padding_free))
     return run, [*notes, *(given["adapter"].notes if given["adapter"] is not None else ())]
 
 
@@ -192,6 +194,21 @@ def rollout_of(client: str, from_file: dict | None, given: dict | None):
     return Rollout.of(keys, f"{client} settings", client)
 
 
+def packing_of(client: str, from_file, packing, padding_free):
+    """The run's `Packing` (sft): the explicit `packing` / `padding_free` over the file's; None where neither is on."""
+    from pipeline.training.packing import Packing
+
+    given = Packing.of(packing, padding_free, "packing")
+    if packing is None and padding_free is None:
+        given = from_file
+    elif from_file is not None and given is not None:
+        given = Packing(packing if packing is not None else from_file.packing,
+                        padding_free if padding_free is not None else from_file.padding_free)
+    if given is not None and client != "sft":
+        raise UserError(f"packing and padding_free are TRL's SFTTrainer's (--client sft), not the {client} client's")
+    return given
+
+
 def with_deepspeed(from_file: dict, source, sharding) -> dict:
     """The settings of the files with a DeepSpeed config's (`training.zero.read_deepspeed`): its stage is the
     sharding (an explicit other one is refused), its batch, accumulation and bf16 / fp16 where it fixes them and
@@ -227,7 +244,7 @@ RUN_OPTIONS = ("alloc_conf", "batch", "seq", "precision", "optimizer", "checkpoi
                "expandable_segments",
                "client", "optim", "gradient_accumulation", "training_args", "num_gpus", "sharding", "liger_kernel",
                "completion_share", "sft_config", "weights_dtype", "shard_group", "tensor_parallel", "accelerate_config",
-               "deepspeed", "rollout", "grpo_config", "axolotl_config", "llamafactory_config")
+               "deepspeed", "rollout", "grpo_config", "axolotl_config", "llamafactory_config", "packing", "padding_free")
 ROLLOUT_OPTIONS = ("num_generations", "max_completion_length", "beta", "use_vllm", "vllm_mode",
                    "vllm_gpu_memory_utilization")
 
@@ -257,8 +274,10 @@ def prepared(what: dict, options: dict, method, coefficients, dev: Device | None
 
 def default_method(run: Run) -> str:
     """The method of a question that names none: exact for DeepSpeed's ZeRO (it runs DeepSpeed's code; the
-    closed forms refuse it), else the heuristic."""
-    return "exact" if run.deepspeed is not None or run.client in ROLLOUT_CLIENTS else "heuristic"
+    closed forms refuse it), the online RL clients and packed batches (whose attention mask the closed forms do not
+    know), else the heuristic."""
+    return "exact" if run.deepspeed is not None or run.client in ROLLOUT_CLIENTS or run.packing is not None \
+        else "heuristic"
 
 
 def estimate(model=None, config=None, params=None, *, batch=None, seq=None, precision=None, optimizer=None,
@@ -269,7 +288,8 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
              completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
              accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
              max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None, vllm_gpu_memory_utilization=None,
-             grpo_config=None, axolotl_config=None, llamafactory_config=None) -> dict:
+             grpo_config=None, axolotl_config=None, llamafactory_config=None, packing=None, padding_free=None,
+             lengths=None) -> dict:
     """Peak memory of a training step at (batch, seq), with its components (bytes).
 
     Give one of `model` (registry or Hub id), `config` (config.json path, its dict, or a
@@ -319,13 +339,43 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
     batch, length, precision, checkpointing, LoRA / QLoRA, Liger, DeepSpeed, FSDP); a key that changes memory in a
     way not simulated yet is refused in one line naming it. Explicit options win.
 
+    Packed batches (sft, exact by default): `packing` (TRL's best fit decreasing into rows of `seq` tokens, which
+    turns `padding_free` on) and `padding_free` (a micro-batch's rows concatenated into one, position ids restarting
+    at each document, no attention mask: torch's SDPA then gets a (N, N) packed-sequence mask); every row full, the
+    worst case. `lengths` (a dataset's token counts per document) adds `worst_step`: the micro-batch of that
+    dataset with the most tokens (the fullest packed rows, or the longest documents) and its peak and verdict.
+
     `method`: blog, heuristic, formula or exact; None: heuristic, or exact for DeepSpeed and the online RL
     clients (the closed forms model neither).
     """
     options = dict(locals())
     dev = gpu_of(gpu, gpu_memory_gib)
     estimator, target, run, notes = prepared(_what(options), options, method, coefficients, dev)
-    return with_notes(answer(estimator, target, run, dev), notes)
+    result = with_notes(answer(estimator, target, run, dev), notes)
+    return result if lengths is None else with_worst_step(result, estimator, target, run, dev, lengths)
+
+
+def with_worst_step(result: dict, estimator: Estimator, target: Target, run: Run, dev: Device | None,
+                    lengths) -> dict:
+    """The answer with `worst_step`: the micro-batch with the most tokens of a dataset of documents of `lengths`
+    tokens (`training.packing.worst_step`), its peak and, for a device, its verdict."""
+    from pipeline.training.packing import worst_step
+
+    worst = worst_step(lengths, run.batch, run.seq, run.packing)
+    step = worst_step_run(run, worst)
+    at = answer(estimator, target, step, dev)
+    result["worst_step"] = {"tokens": worst.tokens, "seq_len": step.seq, "documents": len(lengths),
+                            **{k: at[k] for k in ("peak_bytes", "peak_reserved_bytes", "fits", "headroom_bytes")
+                               if k in at}}
+    result.setdefault("notes", []).append(worst.note(run.batch, run.seq, len(lengths)))
+    return result
+
+
+def worst_step_run(run: Run, worst) -> Run:
+    """The run of a dataset's worst step: its rows' length and packing."""
+    from dataclasses import replace
+
+    return replace(run, seq=worst.seq, packing=worst.packing)
 
 
 def _what(options: dict) -> dict:
@@ -352,6 +402,8 @@ def answer(estimator: Estimator, target: Target, run: Run, dev: Device | None = 
               "adapter": None if run.adapter is None else run.adapter.columns(),
               "liger_kernel": run.liger_kernel, "completion_share": run.completion_share,
               **({"rollout": rollout_columns(run)} if run.rollout is not None else {}),
+              **({"packing": run.packing.packing, "padding_free": run.packing.padding_free}
+                 if run.packing is not None else {}),
               "checkpointing": run.checkpointing, "expandable_segments": run.expandable_segments,
               **estimated.details, "components": estimated.components, "peak_formula": estimator.peak_formula,
               "peak_bytes": peak, "peak_gib": peak / GIB,
@@ -385,7 +437,7 @@ def max_batch_size(model=None, config=None, params=None, *, seq=None, precision=
                    accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
                    max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None,
                    vllm_gpu_memory_utilization=None, grpo_config=None, axolotl_config=None,
-                   llamafactory_config=None) -> int:
+                   llamafactory_config=None, packing=None, padding_free=None) -> int:
     """The largest batch that fits the GPU at sequence length `seq` (0: none), by the fit verdict;
     the options are `estimate`'s."""
     options = dict(locals(), batch=1)
@@ -403,7 +455,7 @@ def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=N
                 accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
                 max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None,
                 vllm_gpu_memory_utilization=None, grpo_config=None, axolotl_config=None,
-                llamafactory_config=None) -> int:
+                llamafactory_config=None, packing=None, padding_free=None) -> int:
     """The longest sequence that fits the GPU at batch size `batch` (0: none), by the fit verdict,
     at most the model's context length when its config gives one; the options are `estimate`'s."""
     options = dict(locals(), seq=1)
@@ -436,7 +488,7 @@ def layouts(model=None, config=None, params=None, *, batch=None, seq=None, preci
             sft_config=None, weights_dtype=None, accelerate_config=None, min_gpus=False, deepspeed=None,
             alloc_conf=None, num_generations=None, max_completion_length=None, beta=None, use_vllm=None,
             vllm_mode=None, vllm_gpu_memory_utilization=None, grpo_config=None, axolotl_config=None,
-            llamafactory_config=None) -> dict:
+            llamafactory_config=None, packing=None, padding_free=None) -> dict:
     """The layouts that fit a GPU: a table of layouts (ddp, fsdp, fsdp-no-reshard; the loop also hsdp across nodes
     and tensor parallelism within one) for N = 1, 2, 4, ... up to `num_gpus` (default 8), each with its per-GPU
     peak, reserved bytes and verdict; with `min_gpus` the fewest GPUs that fit (doubling up to `num_gpus`, default

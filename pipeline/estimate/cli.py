@@ -7,7 +7,7 @@ import json
 
 from pipeline.formulas.gpus import DEVICES
 from pipeline.core.errors import UserError
-from pipeline.estimate.api import answer, layouts_answer, prepared, with_notes
+from pipeline.estimate.api import answer, layouts_answer, prepared, with_notes, with_worst_step
 from pipeline.estimate.memo import one_question
 from pipeline.estimate.search import largest_batch, largest_seq
 from pipeline.training.values import GIB
@@ -69,6 +69,7 @@ def add_cli(subparsers) -> None:
                              "prompt-completion data; default 1)")
     add_adapter_arguments(parser)
     add_rollout_arguments(parser)
+    add_packing_arguments(parser)
     parser.add_argument("--num-gpus", type=positive_int, default=None, metavar="N",
                         help="GPUs of the run (with --sharding; --batch is per data-parallel rank)")
     parser.add_argument("--sharding", choices=SHARDINGS, default=None,
@@ -133,6 +134,19 @@ def add_rollout_arguments(parser) -> None:
                             "accumulation, bf16/fp16, checkpointing, optim, LoRA and the rollout keys")
 
 
+def add_packing_arguments(parser) -> None:
+    """Packed and padding-free batches (--client sft), by their SFTConfig names."""
+    group = parser.add_argument_group("packed batches (--client sft; exact method by default)")
+    group.add_argument("--packing", action="store_true", default=None,
+                       help="TRL's packing: documents packed into rows of --seq tokens (best fit decreasing), "
+                            "padding-free; every row full")
+    group.add_argument("--padding-free", action="store_true", default=None,
+                       help="a micro-batch's documents concatenated into one row, no padding and no attention mask")
+    group.add_argument("--lengths", default=None, metavar="FILE",
+                       help="your dataset's document lengths (a JSON list, one count per line, or JSON lines with "
+                            "input_ids): the answer adds its worst step, the micro-batch with the most tokens")
+
+
 def share(text: str) -> float:
     """--completion-share: a number in (0, 1]."""
     try:
@@ -161,6 +175,11 @@ def _estimate_command(args) -> int:
     if args.model is None and args.config is None and args.params is None and all(
             f is None for f in [*files, args.grpo_config]):
         raise UserError("give one of --model, --config and --params (or a training file naming its model)")
+    lengths = None
+    if args.lengths is not None:
+        from pipeline.training.packing import read_lengths
+
+        lengths = read_lengths(args.lengths)
     options = dict(vars(args), batch=1 if args.max_batch_size and args.batch is None else args.batch,
                    seq=1 if args.max_seq_len and args.seq is None else args.seq, gpu_memory_gib=args.gpu_memory)
     if args.layouts or args.min_gpus:  # the layouts are the answer's: the question is the run on one GPU
@@ -184,6 +203,8 @@ def _estimate_command(args) -> int:
             largest_found = largest_seq(estimator, target, run, dev)
             run = run.with_seq(args.seq or max(largest_found, 1))
         result = with_notes(answer(estimator, target, run, dev), notes)
+        if lengths is not None:
+            result = with_worst_step(result, estimator, target, run, dev, lengths)
     if args.max_batch_size:
         result["max_batch_size"] = largest_found
     elif args.max_seq_len:
@@ -235,6 +256,10 @@ def human_summary(result: dict) -> str:
         lines.append(f"  {r['num_generations']} completions per prompt of {r['max_completion_length']} tokens "
                      f"(prompts of {result['seq_len']}), beta {r['beta']:g}"
                      + (", a reference model" if r["reference_model"] else ""))
+    if result.get("padding_free"):
+        lines.append("  " + ("packed rows" if result["packing"] else "padding-free rows")
+                     + f": each micro-batch one row of {result['batch_size'] * result['seq_len']:,} tokens (every row "
+                     "full), position ids restarting at each document")
     if result.get("vllm_pool_bytes"):
         lines.append(f"  vLLM's pool (colocate)   {result['vllm_pool_bytes'] / GIB:10.2f} GiB beside the step, in the "
                      "verdict")
@@ -258,6 +283,11 @@ def human_summary(result: dict) -> str:
                      f", headroom {result['headroom_bytes'] / GIB:.2f} GiB")
         if result.get("expandable_segments_would_fit") and not result["fits"]:
             lines.append("  fits with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    if result.get("worst_step"):
+        worst = result["worst_step"]
+        lines.append(f"  worst step of your {worst['documents']:,} documents: {worst['tokens']:,} tokens, peak "
+                     f"{worst['peak_bytes'] / GIB:.2f} GiB, reserved {worst['peak_reserved_bytes'] / GIB:.2f} GiB"
+                     + (f", fits: {'yes' if worst['fits'] else 'no'}" if "fits" in worst else ""))
     for name in ("max_batch_size", "max_seq_len"):
         if name in result:
             lines.append(f"  {name.replace('_', ' ')}: {result[name]}")

@@ -38,6 +38,9 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--rollout", default=None, metavar="JSON",
                         help="grpo, rloo: the rollout's GRPOConfig keys as JSON (num_generations, "
                              "max_completion_length, beta, ...); default TRL's")
+    parser.add_argument("--packing", default=None, metavar="JSON",
+                        help='sft: packed or padding-free batches as a table\'s packing cell ({"packing": true}, '
+                             '{"padding_free": true}, with "documents": token counts of each row\'s documents)')
     parser.add_argument("--attn", choices=ATTENTIONS, default="default")
     parser.add_argument("--variant", choices=VARIANTS, default="standard")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -68,9 +71,18 @@ def _measure_command(args) -> int:
         rollout = Rollout.of(keys, "--rollout", args.client)
     elif args.client in ROLLOUT_CLIENTS:  # TRL's defaults, the KV cache written in the row's rollout
         rollout = Rollout.of({}, "--rollout", args.client)
+    packing = None
+    if args.packing is not None:
+        from pipeline.core.io import parse_json
+        from pipeline.training.packing import Packing
+
+        keys = parse_json(args.packing, "--packing", "not JSON")
+        if not isinstance(keys, dict) or not set(keys) <= {"packing", "padding_free", "documents"}:
+            raise UserError("--packing must be a JSON object of packing, padding_free and documents")
+        packing = Packing.from_text(args.packing)
     setting = Setting(args.variant, args.optimizer, args.checkpointing, args.client, args.optim,
                       args.gradient_accumulation, adapter_from_arguments(args), args.liger_kernel, args.completion_share,
-                      rollout=rollout)
+                      rollout=rollout, packing=packing)
     row = measure(record, args.batch, args.seq, args.precision, setting, args.attn, device, not args.no_tf32)
     if args.json:
         print(json.dumps(row, default=str))

@@ -196,6 +196,7 @@ def base_columns(record: ModelRecord, precision: str, attn: str, setting: Settin
                config_revision=record.config_revision, child_pid=os.getpid(), **asdict(setting))
     row.update(setting.adapter_columns(), hyperparameters=setting.hyperparameters.to_text(),
                rollout=setting.rollout.to_text() if setting.rollout is not None else None,
+               packing=setting.packing.to_text() if setting.packing is not None else None,
                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None)
     return row
 

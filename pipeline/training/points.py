@@ -38,6 +38,8 @@ COLUMN_DTYPES = {
     "rollout": "string", "phase_peaks": "string", "step_peaks": "string",
     # PYTORCH_CUDA_ALLOC_CONF as the process had it (None: the allocator's defaults)
     "alloc_conf": "string",
+    # sft's packed or padding-free batches (`training.packing`) as JSON; None: B rows of L tokens
+    "packing": "string",
 }
 COLUMNS = tuple(COLUMN_DTYPES)
 

@@ -60,18 +60,28 @@ def prompt_length(seq_len: int, completion_share: float) -> int:
     return round((1 - completion_share) * seq_len)
 
 
-def random_dataset(vocab_size: int, rows: int, seq_len: int, completion_share: float = 1.0, seed: int = 0):
+def random_dataset(vocab_size: int, rows: int, seq_len: int, completion_share: float = 1.0, seed: int = 0,
+                   documents: tuple[int, ...] | None = None):
     """`rows` pre-tokenized rows of `seq_len` random ids below `vocab_size` (a datasets.Dataset); with a
-    completion share below 1, a completion_mask (0 on the prompt, 1 on the completion)."""
+    completion share below 1, a completion_mask (0 on the prompt, 1 on the completion). `documents`: each row
+    is documents of these lengths instead (packing packs them back into rows), each with its own prompt."""
     import torch
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(seed)
-    data = {"input_ids": torch.randint(0, vocab_size, (rows, seq_len), generator=generator).tolist()}
+    lengths = list(documents or (seq_len,)) * rows
+    data = {"input_ids": [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]}
     if completion_share < 1:
-        prompt = prompt_length(seq_len, completion_share)
-        data["completion_mask"] = [[0] * prompt + [1] * (seq_len - prompt)] * rows
+        data["completion_mask"] = [[0] * prompt_length(n, completion_share)
+                                   + [1] * (n - prompt_length(n, completion_share)) for n in lengths]
     return Dataset.from_dict(data)
+
+
+def train_dataset(setting: Setting, vocab_size: int, batch: int, seq: int):
+    """The point's dataset: B x K rows per optimizer step, three steps (`random_dataset`), each row as the point's
+    packing makes it (`training.packing`)."""
+    documents = setting.packing.row_documents(seq) if setting.packing is not None else None
+    return random_dataset(vocab_size, dataset_rows(setting, batch), seq, setting.completion_share, documents=documents)
 
 
 def sft_arguments(setting: Setting, precision: str, batch: int, seq: int, output_dir: str, config_class=None,
@@ -80,7 +90,8 @@ def sft_arguments(setting: Setting, precision: str, batch: int, seq: int, output
     the like for a machine without a GPU)."""
     if config_class is None:
         from trl import SFTConfig as config_class
-    return config_class(output_dir=output_dir, per_device_train_batch_size=batch, max_length=seq, max_steps=STEPS,
+    batching = {"max_length": seq, **(setting.packing.config_arguments() if setting.packing is not None else {})}
+    return config_class(output_dir=output_dir, per_device_train_batch_size=batch, max_steps=STEPS, **batching,
                         gradient_accumulation_steps=setting.gradient_accumulation,
                         gradient_checkpointing=setting.gradient_checkpointing, optim=setting.optim,
                         use_liger_kernel=setting.liger_kernel,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from pipeline.training.adapters import AdapterSpec
 from pipeline.training.hyperparameters import Hyperparameters
+from pipeline.training.packing import Packing
 from pipeline.training.rollout import Rollout
 from pipeline.core.errors import UserError
 from pipeline.inputs.modeling import vocabulary_size
@@ -67,6 +68,7 @@ class Setting:
     # the Trainer clients' optimizer and schedule numbers of a training file (`training.hyperparameters`)
     hyperparameters: Hyperparameters = Hyperparameters()
     rollout: Rollout | None = None  # grpo, rloo: their generation's settings (`training.rollout`)
+    packing: Packing | None = None  # sft: packed or padding-free batches (`training.packing`); None: B x L rows
 
     def __post_init__(self):
         if self.client == "loop":
@@ -93,7 +95,7 @@ class Setting:
                    AdapterSpec.from_row(row), bool(row.get("liger_kernel") or False),
                    1.0 if share is None or share != share else float(share), row.get("sharding") or None,
                    row.get("deepspeed") or None, Hyperparameters.from_text(row.get("hyperparameters")),
-                   Rollout.from_text(row.get("rollout")))
+                   Rollout.from_text(row.get("rollout")), Packing.from_text(row.get("packing")))
 
     def check(self) -> None:
         check_choice("client", self.client, CLIENTS)
@@ -138,6 +140,8 @@ class Setting:
         if self.rollout is not None and self.client not in ROLLOUT_CLIENTS:
             raise UserError(f"num_generations, max_completion_length, beta and the rest of a rollout are GRPO's and "
                             f"RLOO's ({', '.join(ROLLOUT_CLIENTS)}), not the {self.client} client's")
+        if self.packing is not None and self.client != "sft":
+            raise UserError(f"packing and padding_free are SFTTrainer's (client sft), not the {self.client} client's")
         if self.completion_share != 1.0 and self.client not in TRL_CLIENTS:
             raise UserError(f"completion_share is TRL's trainers' ({', '.join(TRL_CLIENTS)}), not the {self.client} "
                             "client's")

@@ -10,6 +10,7 @@ from pipeline.core.io import cell
 from pipeline.core.vocabulary import ROLLOUT_CLIENTS
 from pipeline.training.adapters import AdapterSpec
 from pipeline.training.hyperparameters import Hyperparameters
+from pipeline.training.packing import Packing
 from pipeline.training.rollout import Rollout
 from pipeline.core.errors import UserError
 from pipeline.formulas.components import optimizer_key
@@ -61,6 +62,8 @@ class Run:
     hyperparameters: Hyperparameters = Hyperparameters()
     # grpo, rloo: completions per prompt, their length, beta and the rest (`training.rollout`); None: TRL's defaults
     rollout: Rollout | None = None
+    # sft: packed or padding-free batches (`training.packing`); None: B rows of L tokens
+    packing: Packing | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "batch", check_positive_int("batch", self.batch, MAX_BATCH))
@@ -124,7 +127,7 @@ class Run:
         return Setting(self.variant, self.optimizer, self.checkpointing, self.client, self.optim,
                        self.gradient_accumulation, self.adapter, self.liger_kernel, self.completion_share,
                        None if self.client == "loop" else self.sharding, self.deepspeed, self.hyperparameters,
-                       self.rollout)
+                       self.rollout, self.packing)
 
     @property
     def optimizer_key(self) -> str:
@@ -154,7 +157,7 @@ class Run:
                    tensor_parallel=int(cell(row, "tensor_parallel") or 1), deepspeed=cell(row, "deepspeed") or None,
                    hyperparameters=Hyperparameters.from_text(cell(row, "hyperparameters")),
                    expandable_segments=expandable(cell(row, "alloc_conf")),
-                   rollout=rollout_of(row, client))
+                   rollout=rollout_of(row, client), packing=Packing.from_text(cell(row, "packing")))
 
     def with_batch(self, batch: int) -> Run:
         return replace(self, batch=batch)

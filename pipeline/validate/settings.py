@@ -37,12 +37,12 @@ from pipeline.validate.peaks import error_summary, predicted_or_reason
 SETTING_KEY = ("model_id", "precision", "client", "optim", "optimizer", "gradient_accumulation",
                "gradient_checkpointing", "batch_size", "seq_len", "lora_r", "lora_alpha", "lora_targets", "quantization",
                "liger_kernel", "completion_share", "first_in_process", "num_gpus", "sharding", "shard_group",
-               "tensor_parallel", "deepspeed", "hyperparameters", "alloc_conf", "rollout")
+               "tensor_parallel", "deepspeed", "hyperparameters", "alloc_conf", "rollout", "packing")
 ROW_COLUMNS = (*SETTING_KEY, "model_type", "family", "parameters", "status", "device", "split", "setting", "layout",
                "rank")
 # The columns of the several-GPU tables, and what a single-GPU row means by them.
 LAYOUT_DEFAULTS = {"num_gpus": 1, "sharding": None, "shard_group": None, "tensor_parallel": 1, "rank": 0,
-                   "deepspeed": None, "hyperparameters": None, "alloc_conf": None, "rollout": None}
+                   "deepspeed": None, "hyperparameters": None, "alloc_conf": None, "rollout": None, "packing": None}
 
 
 def settings_rows(tables: dict):
@@ -89,7 +89,8 @@ def layout_name(row) -> str:
 
 def setting_name(row) -> str:
     """full (fine-tuning), lora or qlora: the validation's groups; bf16-autocast, FSDP2's mixed precision,
-    Liger's kernels and ZeRO-Offload are reported apart (", bf16-autocast", ", mp-bf16", "+liger", "+offload")."""
+    Liger's kernels, ZeRO-Offload and packed batches are reported apart (", bf16-autocast", ", mp-bf16", "+liger",
+    "+offload", "+packing", "+padding-free")."""
     name = "full" if _text(row.lora_r) == "" else "qlora" if _text(row.quantization) else "lora"
     if _text(getattr(row, "liger_kernel", False)) == "True":
         name += "+liger"
@@ -97,6 +98,10 @@ def setting_name(row) -> str:
         from pipeline.training.zero import offload_devices
 
         name += "+offload" if "cpu" in offload_devices(row.deepspeed).values() else ""
+    if _text(getattr(row, "packing", None)):
+        from pipeline.training.packing import Packing
+
+        name += "+packing" if Packing.from_text(row.packing).packing else "+padding-free"
     if getattr(row, "precision", None) in ("bf16-autocast", "mp-bf16"):
         name += f", {row.precision}"
     return name

@@ -49,15 +49,14 @@ def run_steps(model, setting: Setting, precision: str, batch: int, seq: int, dev
     from trl import SFTTrainer
 
     from pipeline.inputs.modeling import vocabulary_size
-    from pipeline.training.sft import dataset_rows, peft_config, random_dataset, sft_arguments, tokenizer
+    from pipeline.training.sft import peft_config, sft_arguments, tokenizer, train_dataset
 
     vocab = vocabulary_size(model)
 
     def make_trainer(output_dir, times, extra):
         return SFTTrainer(model=model, args=sft_arguments(setting, precision, batch, seq, output_dir, **extra),
                           processing_class=tokenizer(vocab),
-                          train_dataset=random_dataset(vocab, dataset_rows(setting, batch), seq,
-                                                       setting.completion_share),
+                          train_dataset=train_dataset(setting, vocab, batch, seq),
                           peft_config=peft_config(setting), callbacks=[times])
 
     return train_trl(model, setting, device, tracker, make_trainer, "avp-sft-")

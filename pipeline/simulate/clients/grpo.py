@@ -151,27 +151,6 @@ def sampler_stand_ins() -> dict:
     return {aten.multinomial.default: drawn, aten.argmax.default: drawn}
 
 
-@contextlib.contextmanager
-def host_tensors():
-    """`torch.tensor(data, device=meta)` as a host tensor copied to the device: the copy is counted, as CUDA
-    allocates it, and carries its host values (on meta the tensor would be made without any dispatched op). The
-    module's function is replaced for the run (a torch function mode would see every call of every op)."""
-    import torch
-
-    original = torch.tensor
-
-    def tensor(data, *args, device=None, **kwargs):
-        if device is not None and torch.device(device).type == "meta":
-            return original(data, *args, **kwargs).to(device)
-        return original(data, *args, device=device, **kwargs)
-
-    torch.tensor = tensor
-    try:
-        yield
-    finally:
-        torch.tensor = original
-
-
 def deepspeed_autocast(rules):
     """DeepSpeed's engine forward decides its autocast from the one around it (`torch.is_autocast_enabled()`) and
     opens `torch.autocast(<its accelerator's device>)`: here CUDA's autocast is `rules`' emulation, and TRL's log-prob
@@ -235,6 +214,7 @@ class RolloutRun(SFTRun):
         mark_phases(trainer, lambda phase: tracker.start_phase(phase, "activations"))
 
     def context(self):
+        from pipeline.simulate.clients.parts import host_tensors
         from pipeline.simulate.memory.decode import DecodeReplay
 
         stack = contextlib.ExitStack()

@@ -14,6 +14,30 @@ from pipeline.core.vocabulary import precision_mode
 from pipeline.training.step import STEPS, autocast_dtype, mixed_precision_args
 
 
+@contextlib.contextmanager
+def host_tensors():
+    """`torch.tensor(data, device=meta)` as a host tensor copied to the device: the copy is counted, as CUDA
+    allocates it, and carries its host values (on meta the tensor would be made without any dispatched op): a
+    number's as its known value (SFTTrainer's token count, `.item()`-ed for its log), a list's as a host shadow
+    where the trace keeps them (generation's token ids). The module's function is replaced for the run (a torch
+    function mode would see every call of every op)."""
+    original = torch.tensor
+
+    def tensor(data, *args, device=None, **kwargs):
+        if device is None or torch.device(device).type != "meta":
+            return original(data, *args, device=device, **kwargs)
+        moved = original(data, *args, **kwargs).to(device)
+        if isinstance(data, (bool, int, float)):
+            moved._simulated_value = data
+        return moved
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = original
+
+
 class ModelStaysInPlace:
     """Training arguments (the Trainer's, SFTConfig, DPOConfig) that leave the model where it is: it lives on
     the meta device. On several GPUs the Trainer decides, as it does on GPUs (None: DDP moves the model with

@@ -99,7 +99,7 @@ def meta_sft_trainer(model, setting: Setting, precision: str, batch: int, seq: i
 
     from pipeline.inputs.modeling import vocabulary_size
     from pipeline.simulate.clients.parts import device_arguments, on_simulated_device, simulated_on
-    from pipeline.training.sft import dataset_rows, peft_config, random_dataset, sft_arguments, tokenizer
+    from pipeline.training.sft import peft_config, sft_arguments, tokenizer, train_dataset
 
     MetaSFTTrainer, MetaSFTConfig = on_simulated_device(SFTTrainer, SFTConfig)
     datasets.disable_progress_bars()  # the dataset's preparation, on stderr
@@ -107,8 +107,7 @@ def meta_sft_trainer(model, setting: Setting, precision: str, batch: int, seq: i
     args = sft_arguments(setting, precision, batch, seq, tempfile.mkdtemp(prefix="avp-simsft-"), MetaSFTConfig,
                          **device_arguments(setting, model))
     trainer = MetaSFTTrainer(model=model, args=args, processing_class=tokenizer(vocab),
-                             train_dataset=random_dataset(vocab, dataset_rows(setting, batch), seq,
-                                                          setting.completion_share),
+                             train_dataset=train_dataset(setting, vocab, batch, seq),
                              peft_config=peft_config(setting))
     simulated_on(trainer, device_type, setting)
     return trainer
@@ -118,11 +117,20 @@ class SFTRun(TrainerRun):
     """`TrainerRun` with an SFTTrainer: the micro-batches are its prepared dataset's rows through its collator."""
 
     fused_head = True
-    columns = ("input_ids", "labels", "completion_mask")  # of the prepared dataset, those the Trainer keeps
+    # of the prepared dataset, those the Trainer keeps (`seq_lengths`: the documents of a packed row)
+    columns = ("input_ids", "labels", "completion_mask", "seq_lengths")
 
     def __init__(self, trainer, seq_len: int, precision: str, gradient_checkpointing: bool, device_type: str):
         super().__init__(trainer, seq_len, precision, gradient_checkpointing, device_type)
         self.row = 0
+
+    def context(self):
+        """Padding-free batches' token count (`torch.tensor(n, device=...)`, logged) made as CUDA makes it."""
+        if self.device_type != "meta":
+            return super().context()
+        from pipeline.simulate.clients.parts import host_tensors
+
+        return host_tensors()
 
     def micro_batch(self) -> dict:
         """The next B rows of the prepared dataset (the columns the Trainer keeps), collated on the host
