@@ -96,6 +96,10 @@ COLUMNS = {
     "step_peaks": ("", "JSON: the peak allocated bytes so far after each optimizer step (whether the peak moves after "
                        "the first)"),
     "alloc_conf": ("", "PYTORCH_CUDA_ALLOC_CONF of the run (empty: the caching allocator's defaults)"),
+    "packing": ("", "sft: JSON of TRL's batching: packing (documents packed into rows of seq_len tokens, best fit "
+                    "decreasing) and padding_free (a micro-batch's rows concatenated into one, position ids restarting "
+                    "at each document); documents: the token counts of each row's documents; empty: batch_size rows "
+                    "of seq_len tokens"),
     "memory_history": ("", "rank 0's allocator history of the point (every malloc and free with its stream; "
                            "pipeline.training.memory_history), a file under the table's folder; empty: not recorded"),
     "host_before_bytes": ("bytes", "the process's resident host memory before training (several GPUs)"),
