@@ -14,6 +14,7 @@ from pipeline.core.errors import UserError
 from pipeline.estimate import estimate, max_batch_size, max_seq_len
 from pipeline.estimate.api import make_run
 from pipeline.inputs.configs import read_config_records
+from pipeline.training.packing import Packing
 
 REPO = Path(__file__).resolve().parent.parent
 COEFFICIENTS = REPO / "results/coefficients.json"
@@ -52,8 +53,7 @@ def test_sft_config_file_sets_the_run(tmp_path):
         == ("sft", 4, 1024, 2, "bf16-autocast", True, "adamw_torch")
     assert (run.adapter.r, run.adapter.alpha, run.adapter.targets, run.adapter.quantization) == (8, 16, "q_proj,v_proj",
                                                                                              None)
-    assert notes == ["sft config: packing (several sequences per row; with padding_free, no padding and no attention "
-                     "mask) is not modelled", "sft config: padding-free batches is not modelled"]
+    assert notes == [] and run.packing == Packing(True, True)  # packing and padding_free are simulated
     run, _ = make_run(batch=2, seq=512, checkpointing=False, sft_config=write(tmp_path / "sft.yaml", SFT_YAML))
     assert (run.batch, run.seq, run.checkpointing) == (2, 512, False)  # explicit options win
 

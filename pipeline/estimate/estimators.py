@@ -252,6 +252,12 @@ class FormulaEstimator(FittedEstimator):
             spec = run.adapter
             result["components"]["activations"] += run.batch * run.seq * lora_saved_bytes_per_token(
                 facts, spec.targets, run.precision, spec.quantization, run.checkpointing)
+        if run.packing is not None:
+            from pipeline.formulas.packed_mask import packed_mask_bytes
+
+            result["components"]["activations"] += packed_mask_bytes(
+                facts, run.batch * run.seq, run.checkpointing, run.attn_implementation, ACTIVATION_BYTES[precision])
+            result["peak_bytes"], result["peak_phase"] = peak_of(result["components"])
         if run.layout.sharded or run.adapter is not None:
             parts = self.with_adapter(result["components"], target, run)
             shape = weight_shape(facts, target.parameters)
@@ -310,6 +316,10 @@ def closed_form_notes(run: Run) -> list:
     model Liger's fused cross-entropy (the formula, in the Trainer) but not its other kernels (the exact
     method runs them)."""
     notes = []
+    if run.packing is not None:
+        notes.append("packed rows: the closed forms answer B rows of L tokens; the formula adds SDPA's (N, N) "
+                     "packed-sequence mask and the bias each layer saves from it (the heuristic and the blog do not; "
+                     "method exact runs TRL's packing)")
     if run.liger_kernel:
         notes.append("Liger's RMSNorm, RoPE and SwiGLU kernels are not modelled by the closed forms (an "
                      "over-estimate; method exact runs them)" + ("; the formula models its fused linear "

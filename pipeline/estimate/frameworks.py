@@ -161,8 +161,9 @@ def read_llamafactory_config(source) -> dict:
 
 def packing_note(label: str, key: str, batch_key: str, seq_key: str) -> str:
     return (f"{label}: {key}: answered as {batch_key} rows of {seq_key} tokens each, every row full (packing fills "
-            "them), which is the packed step's peak within the attention kernel's mask; packed steps are not measured "
-            "yet")
+            "them), kept apart as the framework keeps them; a packed row's attention mask (none on flash attention's "
+            "variable-length path) is not counted (TRL's packing, which concatenates the rows, is: --client sft "
+            "--packing)")
 
 
 def number(value):

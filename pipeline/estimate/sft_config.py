@@ -2,7 +2,8 @@
 too: SFTConfig's and ModelConfig's fields at the top level), read as the settings of an SFTTrainer run
 (`client = sft`), without torch, trl or transformers: the formula stays torch-free.
 
-Read: per_device_train_batch_size, max_length (the sequence length; TRL's default 1024),
+Read: per_device_train_batch_size, max_length (the sequence length; TRL's default 1024), packing and
+padding_free (`training.packing`),
 gradient_checkpointing (default true), bf16 / fp16 (bf16 by default), optim, gradient_accumulation_steps,
 use_liger_kernel, use_peft with lora_r / lora_alpha / lora_target_modules (TRL's defaults 16 / 32 /
 PEFT's per model type), load_in_4bit (QLoRA, nf4), model_name_or_path (the model, unless one is given)
@@ -17,6 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from pipeline.core.errors import UserError
+from pipeline.core.text import short
 from pipeline.core.vocabulary import ROLLOUT_CLIENTS, WEIGHTS_DTYPE_OF_TORCH_NAME
 from pipeline.training.rollout import Rollout
 from pipeline.estimate.training_args import with_fsdp, check_flag, optim_name, positive_int_option
@@ -30,8 +32,6 @@ FLAGS = ("bf16", "fp16", "gradient_checkpointing", "use_liger_kernel", "use_peft
          "activation_offloading", "torch_compile")
 # Options whose memory no estimator models: (their notes, a test of the value that turns them on).
 UNMODELLED = {
-    "packing": "packing (several sequences per row; with padding_free, no padding and no attention mask)",
-    "padding_free": "padding-free batches",
     "torch_compile": "torch.compile",
     "activation_offloading": "activation offloading",
     "gradient_checkpointing_kwargs": "gradient checkpointing arguments",
@@ -118,11 +118,36 @@ def read_sft_config(source, client: str = "sft") -> dict:
                 "optim": optim_name(args.get("optim")), "liger_kernel": bool(args.get("use_liger_kernel", False)),
                 "adapter": adapter, "weights": weights, "model": model, "notes": notes,
                 "hyperparameters": Hyperparameters.of(args, label)}
+    packing = file_packing(args, label, client)
+    if packing is not None:
+        settings["packing"] = packing
     if rollout is not None:
         settings["rollout"] = rollout
         notes += [f"{client} config: {key} is not modelled" for key in unmodelled]
     with_fsdp(settings, args, label)
     return settings
+
+
+def file_packing(args: dict, label: str, client: str):
+    """An SFT config's packing / padding_free (`training.packing.Packing`, None where neither is on). TRL refuses
+    padding_free without packing when max_length is set (it would not enforce it); packing with another strategy
+    than bfd (wrapped: rows cut at max_length, attention across documents) is not simulated."""
+    from pipeline.simulate.crashes import RunWouldCrash
+    from pipeline.training.packing import Packing
+
+    if client != "sft":
+        return None
+    packing = Packing.of(args.get("packing"), args.get("padding_free"), label)
+    if packing is None:
+        return None
+    strategy = args.get("packing_strategy", "bfd")
+    if packing.packing and strategy not in ("bfd", "bfd_split", "bfd-requeue"):
+        raise UserError(f"{label}: packing_strategy {short(strategy)} is not simulated (bfd and bfd_split are)")
+    if not packing.packing and args.get("max_length", MAX_LENGTH_DEFAULT) is not None:
+        raise RunWouldCrash(f"{label}: TRL refuses padding_free without packing when max_length is set (it would "
+                            "not be enforced): set max_length: null (documents untruncated; give their length with "
+                            "--seq) or packing: true")
+    return packing
 
 
 def _load(source, label: str = "sft config") -> tuple[dict, str]:

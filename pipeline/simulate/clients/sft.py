@@ -125,8 +125,10 @@ class SFTRun(TrainerRun):
         self.row = 0
 
     def context(self):
-        """Padding-free batches' token count (`torch.tensor(n, device=...)`, logged) made as CUDA makes it."""
-        if self.device_type != "meta":
+        """Padding-free batches' token count (`torch.tensor(n, device=...)`, logged) made as CUDA makes it. Only
+        there: other runs' `torch.tensor(..., device=...)` stay uncounted, as the CPU reference runs of the tests
+        leave them (512 bytes each in CUDA's small pool)."""
+        if self.device_type != "meta" or not getattr(self.trainer, "padding_free", False):
             return super().context()
         from pipeline.simulate.clients.parts import host_tensors
 
