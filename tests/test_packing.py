@@ -166,3 +166,16 @@ def test_padding_free_without_packing_in_a_file_is_the_crash_trl_makes(tmp_path,
     err = capsys.readouterr().err
     assert code == 2 and "TRL refuses padding_free without packing when max_length is set" in err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "zero3"])
+def test_packed_batches_on_several_gpus_count_the_mask_on_each(sharding):
+    """Each rank concatenates its own micro-batch; TRL gathers the ranks' token counts for its log (every rank's
+    the same here)."""
+    config = dict(TINY_LLAMA, max_position_embeddings=1024)
+    common = dict(config=config, client="sft", batch=2, seq=256, precision="bf16-autocast", checkpointing=False,
+                  num_gpus=2, sharding=sharding, method="exact")
+    packed, plain = estimate(packing=True, **common), estimate(**common)
+    tokens = 2 * 256
+    extra = packed["peak_bytes"] - plain["peak_bytes"]
+    assert packed["padding_free"] and 2 * 2 * tokens ** 2 <= extra < 6 * tokens ** 2

@@ -139,11 +139,14 @@ def accelerate_on_gpus(num_gpus: int):
 
     def gathered(output_tensor, input_tensor, *args, **kwargs):  # torch's names: DeepSpeed passes them by name
         """Every rank gave what rank 0 gave: the host values of a gathered count (the Trainer's tokens of every
-        rank, TRL's `num_valid > 0`) are rank 0's, N times."""
+        rank, TRL's `num_valid > 0`, a padding-free batch's token count) are rank 0's, N times."""
         work = all_gather_into_tensor(output_tensor, input_tensor, *args, **kwargs)
         shadow = getattr(input_tensor, "_shadow", None)
         if shadow is not None and output_tensor.numel() == num_gpus * input_tensor.numel():
             output_tensor._shadow = shadow.reshape(-1).repeat(num_gpus).reshape(output_tensor.shape)
+        value = getattr(input_tensor, "_simulated_value", None)
+        if value is not None:
+            output_tensor._simulated_value = value
         return work
 
     patches = [(PartialState, "_prepare_backend", staticmethod(backend)),
