@@ -41,6 +41,8 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--packing", default=None, metavar="JSON",
                         help='sft: packed or padding-free batches as a table\'s packing cell ({"packing": true}, '
                              '{"padding_free": true}, with "documents": token counts of each row\'s documents)')
+    parser.add_argument("--memory-history", default=None, metavar="PATH",
+                        help="record the allocator's events of the point into PATH (.npz; training.memory_history)")
     parser.add_argument("--attn", choices=ATTENTIONS, default="default")
     parser.add_argument("--variant", choices=VARIANTS, default="standard")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -83,7 +85,14 @@ def _measure_command(args) -> int:
     setting = Setting(args.variant, args.optimizer, args.checkpointing, args.client, args.optim,
                       args.gradient_accumulation, adapter_from_arguments(args), args.liger_kernel, args.completion_share,
                       rollout=rollout, packing=packing)
+    if args.memory_history and device == "cuda":
+        from pipeline.training import memory_history
+
+        memory_history.start()
     row = measure(record, args.batch, args.seq, args.precision, setting, args.attn, device, not args.no_tf32)
+    if args.memory_history and device == "cuda":
+        memory_history.save(args.memory_history, {key: row.get(key) for key in (
+            "status", "peak_reserved_bytes", "peak_allocated_bytes", "alloc_conf")})
     if args.json:
         print(json.dumps(row, default=str))
     else:
