@@ -157,10 +157,59 @@ def test_distributed_dry_run_prints_one_torchrun_per_point(tmp_path):
         f"error: {bad}: zero1-3 and deepspeed configs run with the trainer, sft and dpo clients, not loop")
 
 
+def test_packings_are_sft_groups_of_their_own_passed_to_the_rank(tmp_path):
+    """`packings`: each mapping a group of its own (its Packing.to_text() in the group's key and the rank's
+    --packing), for sft alone; config/sweep_packing_distributed_heldout.yaml: three packed held-out points."""
+    from conftest import REPO
+
+    from pipeline.measure.distributed.plan import groups, read_plan
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("models: [Qwen/Qwen2.5-0.5B]\nclients: [sft, trainer]\nshardings: [ddp]\npoints: [[2, 512]]\n"
+                    "packings: [{packing: true}, {padding_free: true}, {packing: false}]\n")
+    found = groups(read_plan(plan))
+    assert [(g.client, g.packing) for g in found] == [
+        ("sft", '{"packing": true, "padding_free": true}'), ("sft", '{"packing": false, "padding_free": true}'),
+        ("sft", None), ("trainer", None)]
+    assert len({g.key for g in found}) == 4
+    arguments = found[1].rank_arguments(2, 512)
+    assert arguments[arguments.index("--packing") + 1] == '{"packing": false, "padding_free": true}'
+    assert "--packing" not in found[2].rank_arguments(2, 512) + found[3].rank_arguments(2, 512)
+
+    heldout = read_plan(REPO / "config" / "sweep_packing_distributed_heldout.yaml")
+    packed = '{"packing": true, "padding_free": true}'
+    assert [(g.model_id, g.sharding, g.points, g.num_gpus, g.split, g.checkpointing, g.packing)
+            for g in groups(heldout)] == [
+        ("Qwen/Qwen2.5-1.5B", "fsdp", ((4, 4096),), 2, "held-out", True, packed),
+        ("Qwen/Qwen2.5-0.5B", "zero3", ((8, 2048),), 2, "held-out", True, packed),
+        ("meta-llama/Llama-3.2-1B", "ddp", ((4, 2048),), 2, "held-out", True, packed)]
+    assert all(g.client == "sft" and g.precision == "bf16-autocast" and g.timeout == 240 for g in groups(heldout))
+
+
+@pytest.mark.parametrize("packings, clients, message", [
+    ("[{packing: true}]", "[trainer, dpo]", "packings are the sft client's settings"),
+    ("[{packing: yes please}]", "[sft]", "packings: packing must be true or false, not 'yes please'"),
+    ("[{padding_free: 1}]", "[sft]", "packings: padding_free must be true or false, not 1"),
+    ("[{packing: true, max_length: 512}]", "[sft]", "each of packings is a mapping of packing and padding_free"),
+    ("[{}]", "[sft]", "each of packings is a mapping of packing and padding_free"),
+    ("{packing: true}", "[sft]", "packings is a list of mappings of packing and padding_free"),
+    ("[true]", "[sft]", "packings is a list of mappings of packing and padding_free"),
+])
+def test_bad_packings_are_one_line_refusals(tmp_path, packings, clients, message):
+    from pipeline.measure.distributed.plan import read_plan
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"models: [Qwen/Qwen2.5-0.5B]\nclients: {clients}\nshardings: [ddp]\npoints: [[2, 512]]\n"
+                    f"groups:\n  - {{packings: {packings}}}\n")
+    with pytest.raises(UserError) as raised:
+        read_plan(plan)
+    assert str(raised.value) == f"{plan}: {message}"
+
+
 def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
     """The GPU measurement path for real on the CPU: torchrun with 2 gloo ranks, a tiny llama: the loop under ddp
-    and fsdp, SFTTrainer with LoRA under DDP, GRPOTrainer with a reference model under FSDP2; one ok row per rank
-    with its num_gpus, sharding and rank (CUDA peaks are empty on the CPU)."""
+    and fsdp, SFTTrainer with LoRA under DDP and with packed batches under FSDP2, GRPOTrainer with a reference model
+    under FSDP2; one ok row per rank with its num_gpus, sharding and rank (CUDA peaks are empty on the CPU)."""
     import json
     import os
     import subprocess
@@ -172,6 +221,7 @@ def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
     plan.write_text("models: [test/tiny-llama]\nnum_gpus: [2]\ngrid: {batch_sizes: [2], seq_lens: [16]}\ngroups:\n"
                     "  - {clients: [loop], shardings: [ddp, fsdp]}\n"
                     "  - {clients: [sft], shardings: [ddp], adapters: [lora]}\n"
+                    "  - {clients: [sft], shardings: [fsdp], packings: [{packing: true}]}\n"
                     "  - {clients: [grpo], shardings: [fsdp], rollouts: [{num_generations: 2, max_completion_length: 4,"
                     " beta: 0.04}]}\n")
     config = tmp_path / "config.json"
@@ -189,12 +239,14 @@ def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
     assert set(rows["status"]) == {"ok"}, rows["reason"].tolist()
     assert sorted(zip(rows["client"], rows["sharding"], rows["rank"])) == [
         ("grpo", "fsdp", 0), ("grpo", "fsdp", 1), ("loop", "ddp", 0), ("loop", "ddp", 1), ("loop", "fsdp", 0),
-        ("loop", "fsdp", 1), ("sft", "ddp", 0), ("sft", "ddp", 1)]
+        ("loop", "fsdp", 1), ("sft", "ddp", 0), ("sft", "ddp", 1), ("sft", "fsdp", 0), ("sft", "fsdp", 1)]
+    packed = rows[rows["client"] == "sft"].set_index("sharding")["packing"]
+    assert set(packed["fsdp"]) == {'{"packing": true, "padding_free": true}'} and packed["ddp"].isna().all()
     grpo = rows[rows["client"] == "grpo"]
     assert set(grpo["rollout"]) == {'{"beta": 0.04, "max_completion_length": 4, "num_generations": 2, "use_cache": true}'}
     assert set(grpo["gradient_checkpointing"]) == {True}  # GRPOConfig's default
     assert set(rows["num_gpus"]) == {2} and set(rows["first_in_process"]) == {True}
-    sft = rows[rows["client"] == "sft"]
+    sft = rows[(rows["client"] == "sft") & (rows["sharding"] == "ddp")]
     # LoRA r=16, r x (in + out) on q, k, v, o (64, 48, 48, 64) and gate, up, down (96 each): 8,192 a layer, 2 layers
     assert set(sft["lora_r"]) == {16} and sft["trainable_parameters"].nunique() == 1
     assert sft["trainable_parameters"].iloc[0] == 16_384

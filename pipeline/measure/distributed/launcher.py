@@ -34,7 +34,8 @@ def point_key(row: dict) -> tuple:
     return (row["model_id"], row["client"], row["precision"], int(row["num_gpus"]), row["sharding"],
             None if group is None else int(group), int(row.get("tensor_parallel") or 1), adapter,
             bool(row["gradient_checkpointing"]), row.get("deepspeed") or None, row.get("hyperparameters") or None,
-            row.get("alloc_conf") or None, row.get("rollout") or None, int(row["batch_size"]), int(row["seq_len"]))
+            row.get("alloc_conf") or None, row.get("rollout") or None, row.get("packing") or None,
+            int(row["batch_size"]), int(row["seq_len"]))
 
 
 def run_plan(plan_path, out_path, dry_run: bool = False, config_path: str | None = None,
@@ -233,7 +234,7 @@ class Scheduler:
                 "num_gpus": group.num_gpus, "sharding": group.sharding, "shard_group": group.shard_group,
                 "tensor_parallel": group.tensor_parallel, "gradient_checkpointing": group.checkpointing,
                 "deepspeed": group.deepspeed, "hyperparameters": group.hyperparameters, "alloc_conf": group.alloc_conf,
-                "rollout": group.rollout,
+                "rollout": group.rollout, "packing": group.packing,
                 "lora_r": 16 if group.adapter == "lora" else None, "lora_alpha": 32 if group.adapter == "lora" else None,
                 "lora_targets": "all-linear" if group.adapter == "lora" else None, "batch_size": point[0],
                 "seq_len": point[1], "split": group.split, "variant": "standard", "attn_implementation": "default"}

@@ -12,6 +12,7 @@ measure, read from YAML and laid out as groups of points that run smallest first
     adapters: [full, lora]                # lora: LoRA r=16, alpha 32, all linear layers
     hyperparameters: {warmup_steps: 10}   # TrainingArguments' optimizer and schedule numbers (Trainer clients)
     rollouts: [{num_generations: 8, max_completion_length: 512}]   # grpo, rloo: GRPOConfig keys, each a group
+    packings: [{packing: true}, {padding_free: true}]   # sft: SFTConfig's packing / padding_free, each a group
     alloc_conf: "expandable_segments:True"   # PYTORCH_CUDA_ALLOC_CONF of the torchrun
     memory_history: true                  # rank 0 records the allocator's events (<out>.history/, one file a point)
     checkpointing: [true]
@@ -21,9 +22,9 @@ measure, read from YAML and laid out as groups of points that run smallest first
     groups:                               # optional: blocks that override the defaults above
       - {models: [...], clients: [dpo], num_gpus: [2]}
 
-A group is one (model, client, precision, layout, adapter, checkpointing); its points run one torchrun each
-(every point is its process's first), smallest first, and an out-of-memory point settles every larger one
-(B' >= B and L' >= L) of its group as oom without running it.
+A group is one (model, client, precision, layout, adapter, checkpointing, rollout, packing); its points run one
+torchrun each (every point is its process's first), smallest first, and an out-of-memory point settles every larger
+one (B' >= B and L' >= L) of its group as oom without running it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pipeline.training.layout import Layout
 
 DEFAULT_KEYS = {"models", "clients", "precisions", "num_gpus", "shardings", "shard_groups", "tensor_parallel",
                 "adapters", "checkpointing", "grid", "points", "split", "timeout_seconds", "configs", "deepspeed",
-                "hyperparameters", "alloc_conf", "memory_history", "rollouts"}
+                "hyperparameters", "alloc_conf", "memory_history", "rollouts", "packings"}
 PLAN_KEYS = DEFAULT_KEYS | {"groups"}
 ADAPTERS = ("full", "lora")
 # The precision a client runs on a model loaded in bf16 (the Trainer clients with bf16=True: bf16-autocast).
@@ -70,12 +71,13 @@ class Group:
     alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF
     memory_history: bool = False
     rollout: str | None = None  # grpo, rloo: `training.rollout.Rollout.to_text()`
+    packing: str | None = None  # sft: `training.packing.Packing.to_text()`; None: B rows of L tokens
 
     @property
     def key(self) -> tuple:
         return (self.model_id, self.client, self.precision, self.num_gpus, self.sharding, self.shard_group,
                 self.tensor_parallel, self.adapter, self.checkpointing, self.deepspeed, self.hyperparameters,
-                self.alloc_conf, self.rollout)
+                self.alloc_conf, self.rollout, self.packing)
 
     def rank_arguments(self, batch: int, seq: int) -> list[str]:
         """The arguments of `python -m pipeline.measure.distributed rank` for one point of the group."""
@@ -87,6 +89,7 @@ class Group:
                 + (["--deepspeed", self.deepspeed] if self.deepspeed else [])
                 + (["--hyperparameters", self.hyperparameters] if self.hyperparameters else [])
                 + (["--rollout", self.rollout] if self.rollout else [])
+                + (["--packing", self.packing] if self.packing else [])
                 + (["--checkpointing"] if self.checkpointing else []))
 
 
@@ -128,6 +131,7 @@ def check_block(block: dict, path) -> None:
         check_choice("adapter", adapter, ADAPTERS)
     hyperparameters_of(block, path)
     rollouts_of(block, path)
+    packings_of(block, path)
     if "alloc_conf" in block:  # a setting the replay cannot answer is not worth measuring
         from pipeline.training.alloc_conf import read_alloc_conf
 
@@ -156,14 +160,16 @@ def block_groups(block: dict, gpus: int | None) -> list[Group]:
     hyperparameters = hyperparameters_of(block, "plan")
     return [Group(model, client, precision, n, sharding, adapter, bool(checkpointing), points,
                   block.get("split", "tuned"), int(block.get("timeout_seconds", DEFAULT_TIMEOUT)), group, tp, deepspeed,
-                  hyperparameters, block.get("alloc_conf"), bool(block.get("memory_history", False)), rollout)
+                  hyperparameters, block.get("alloc_conf"), bool(block.get("memory_history", False)), rollout,
+                  packing)
             for n in sorted(block.get("num_gpus", [2])) if gpus is None or n <= gpus
             for model in block["models"] for client in block.get("clients", ["loop"])
             for precision in block.get("precisions") or [DEFAULT_PRECISION[client]]
             for sharding, group, tp, deepspeed in block_layouts(block, n)
             for adapter in block.get("adapters", ["full"])
             for checkpointing in block.get("checkpointing", [client in CHECKPOINTING_CLIENTS])
-            for rollout in (rollouts_of(block, "plan") if client in ROLLOUT_CLIENTS else [None])]
+            for rollout in (rollouts_of(block, "plan") if client in ROLLOUT_CLIENTS else [None])
+            for packing in (packings_of(block, "plan") if client == "sft" else [None])]
 
 
 def hyperparameters_of(block: dict, path) -> str | None:
@@ -190,6 +196,27 @@ def rollouts_of(block: dict, path) -> list[str]:
         for keys in given:
             Rollout.of(keys, str(path), client)
     return [Rollout.of(keys, str(path), client).to_text() for keys in given for client in rollout_clients[:1]]
+
+
+def packings_of(block: dict, path) -> list[str | None]:
+    """The block's packings (sft) as the rank takes them (`Packing.to_text()`): each a mapping of `packing` and
+    `padding_free` (true or false; neither on: B rows of L tokens, None); [None] where none are given."""
+    from pipeline.training.packing import Packing
+
+    given = block.get("packings")
+    if given is None:
+        return [None]
+    if not isinstance(given, list) or not given or not all(isinstance(keys, dict) for keys in given):
+        raise UserError(f"{path}: packings is a list of mappings of packing and padding_free")
+    if "sft" not in block.get("clients", ["loop"]):
+        raise UserError(f"{path}: packings are the sft client's settings")
+    found = []
+    for keys in given:
+        if not keys or set(keys) - {"packing", "padding_free"}:
+            raise UserError(f"{path}: each of packings is a mapping of packing and padding_free")
+        packing = Packing.of(keys.get("packing"), keys.get("padding_free"), f"{path}: packings")
+        found.append(packing.to_text() if packing is not None else None)
+    return found
 
 
 def block_layouts(block: dict, num_gpus: int) -> list[tuple]:

@@ -41,6 +41,7 @@ def measure_rank(args) -> dict:
     from pipeline.training.adapters import AdapterSpec
     from pipeline.training.hyperparameters import Hyperparameters
     from pipeline.training.layout import Layout
+    from pipeline.training.packing import Packing
     from pipeline.training.rollout import Rollout
     from pipeline.training.step import Setting
 
@@ -57,7 +58,7 @@ def measure_rank(args) -> dict:
     setting = Setting(client=args.client, gradient_checkpointing=args.checkpointing, adapter=adapter,
                       sharding=None if args.client == "loop" else args.sharding, deepspeed=args.deepspeed,
                       hyperparameters=Hyperparameters.from_text(args.hyperparameters),
-                      rollout=Rollout.from_text(args.rollout))
+                      rollout=Rollout.from_text(args.rollout), packing=Packing.from_text(args.packing))
     row = base_columns(record, args.precision, "default", setting, args.batch, args.seq)
     row.update(setup_device(device, allow_tf32=True))
     layout = Layout(world, args.sharding, args.shard_group, args.tensor_parallel)
