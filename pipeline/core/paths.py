@@ -77,6 +77,8 @@ SETTINGS_TABLES = {
     # the simulation was checked, lines 6-14 measured beside them and never tuned on (a point past the GPU among them)
     "results/packing/h200/peak_memory.parquet": "tuned",
     "results/packing_heldout/h200/peak_memory.parquet": "held-out",
+    # config/sweep_packing_distributed_heldout.yaml: packed SFT under DDP, FSDP2 and ZeRO-3 on 2 GPUs
+    "results/packing_distributed_heldout/h200/peak_memory.parquet": "held-out",
 }
 SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
 SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"
