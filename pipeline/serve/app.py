@@ -3,8 +3,8 @@
 - `POST /api/estimate`: the keyword arguments of `pipeline.estimate.estimate` as a JSON object
   (plus one search: `"max_batch_size"`, `"max_seq_len"`, `"layouts"` or `"min_gpus"`: true, the last two answered
   by `pipeline.estimate.layouts`); the answer is what `python -m pipeline estimate ... --json` prints for the same
-  options. `GET /api/estimate?model=...` takes the same fields as a query (not the JSON-object ones): a link to
-  an answer.
+  options. `GET /api/estimate?model=...` takes the same fields as a query (not the JSON-object ones; `lengths` as
+  token counts joined by commas): a link to an answer.
 - `GET /api/models`: the registry; `GET /api/gpus`: the GPU catalogue; `GET /api/accuracy`: each
   method's measured accuracy on the standard step; `GET /api/setting-accuracy?client=sft&precision=...`:
   each method's measured accuracy on the setting an answer names (its client, precision, lora_r,

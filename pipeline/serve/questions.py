@@ -8,7 +8,9 @@ where the library takes a path or a dict (`config`, `training_args`, `peft_confi
 `accelerate_config`, `deepspeed`: the server reads no file of its host, it takes their JSON objects; nor a path
 inside one), another coefficient
 file, an attention implementation other than the library's default, sdpa or eager (a named kernel may be
-fetched from the Hub), and questions beyond `LIMITS`. `min_gpus` without `num_gpus` searches up to the
+fetched from the Hub), and questions beyond `LIMITS`. `lengths` (the command's `--lengths FILE`) is the JSON list of
+the documents' token counts (in a URL's query: joined by commas), taken with the estimate and its searches, not with
+the layouts. `min_gpus` without `num_gpus` searches up to the
 server's limit of GPUs (the command's default is the library's, `vocabulary.MAX_GPUS`).
 """
 
@@ -31,10 +33,12 @@ MAX_NUM_GPUS = 1024
 MAX_GRADIENT_ACCUMULATION = 64
 MAX_GENERATIONS = 64  # GRPO's completions per prompt
 MAX_COMPLETION = 32768  # GRPO's tokens per completion
+MAX_LENGTHS = 1_000_000  # a dataset's document lengths (`lengths`: its worst step)
 LIMITS = (f"the server refuses a request body over {MAX_BODY_BYTES >> 20} MiB, batch x seq over {MAX_TOKENS:,} "
           f"tokens, a GPU over {MAX_GPU_MEMORY_GIB} GiB, more than {MAX_NUM_GPUS} GPUs, gradient accumulation "
           f"over {MAX_GRADIENT_ACCUMULATION}, a LoRA rank over {MAX_LORA_RANK}, more than {MAX_GENERATIONS} "
-          f"completions per prompt and completions over {MAX_COMPLETION:,} tokens")
+          f"completions per prompt, completions over {MAX_COMPLETION:,} tokens and more than {MAX_LENGTHS:,} "
+          "document lengths")
 
 SEARCHES = ("max_batch_size", "max_seq_len", "layouts", "min_gpus")
 # The layouts' searches vary the layout themselves: the command drops these of the question (estimate/cli.py).
@@ -49,7 +53,7 @@ YAML_TEXT_FIELDS = ("axolotl_config", "llamafactory_config")
 MAX_YAML_TEXT = 64 << 10
 INTEGERS = ("batch", "seq", "num_gpus", "shard_group", "tensor_parallel", "gradient_accumulation", "lora_r",
             "lora_alpha", "num_generations", "max_completion_length")
-BOOLEANS = ("checkpointing", "expandable_segments", "liger_kernel", "use_vllm", *SEARCHES)
+BOOLEANS = ("checkpointing", "expandable_segments", "liger_kernel", "use_vllm", "packing", "padding_free", *SEARCHES)
 NUMBERS = ("gpu_memory_gib", "beta", "vllm_gpu_memory_utilization")
 ATTENTION = (None, "sdpa", "eager")  # the library's default, or one of torch's own kernels
 
@@ -97,6 +101,8 @@ def check(question) -> dict:
     for name in INTEGERS:
         if name in q and (not isinstance(q[name], int) or isinstance(q[name], bool) or q[name] <= 0):
             raise UserError(f"{name} must be a positive integer, not {q[name]!r}")
+    if "lengths" in q:
+        check_lengths(q)
     if "lora_targets" in q and not (isinstance(q["lora_targets"], str) or (
             isinstance(q["lora_targets"], list) and all(isinstance(t, str) for t in q["lora_targets"]))):
         raise UserError("lora_targets must be all-linear or module names joined by commas")
@@ -150,11 +156,28 @@ def yaml_mapping(text: str, name: str) -> dict:
     return data
 
 
+def check_lengths(q: dict) -> None:
+    """A dataset's document lengths (the answer's worst step): a JSON list of 1 to MAX_LENGTHS whole numbers from 1
+    (`training.packing.check_lengths`), checked before any simulation runs."""
+    from pipeline.training.packing import check_lengths as check_token_counts
+
+    lengths = q["lengths"]
+    if not isinstance(lengths, list):
+        raise UserError(f"lengths must be a JSON list of the documents' token counts, not {type(lengths).__name__}")
+    if not lengths or len(lengths) > MAX_LENGTHS:
+        raise UserError(f"lengths must list from 1 to {MAX_LENGTHS:,} token counts (the server's limit), not "
+                        f"{len(lengths):,}")
+    check_token_counts(lengths)
+
+
 def check_layouts_question(q: dict) -> None:
     """A field `pipeline.estimate.layouts` does not take is refused (the layout fields are the table's);
     min_gpus searches up to num_gpus, by default the server's limit."""
     from pipeline.estimate import layouts
 
+    if "lengths" in q:
+        raise UserError("lengths is not taken with layouts or min_gpus (a dataset's worst step is the estimate's and "
+                        "the batch and sequence searches'): ask without it")
     taken = inspect.signature(layouts).parameters
     for name in q:
         if name not in taken and name not in (*LAYOUT_FIELDS, *SEARCHES):
@@ -222,7 +245,12 @@ def from_query(params) -> dict:
     for name, text in params.items():
         if name in OBJECTS:
             raise UserError(f"{name} is a JSON object: POST it to /api/estimate")
-        if name in INTEGERS:
+        if name == "lengths":
+            try:
+                question[name] = [int(count) for count in text.split(",")]
+            except ValueError:
+                raise UserError("lengths must be token counts joined by commas (or POST a JSON list)") from None
+        elif name in INTEGERS:
             try:
                 question[name] = int(text)
             except ValueError:
@@ -273,16 +301,18 @@ def answer(q: dict) -> dict:
         return layouts_answer(q)
     kwargs = {name: value for name, value in q.items() if name not in ("layouts", "min_gpus")}
     search_batch, search_seq = kwargs.pop("max_batch_size", False), kwargs.pop("max_seq_len", False)
+    # a dataset's worst step is the answer's, at the value found (as the command adds it): not the search's
+    lengths = kwargs.pop("lengths", None) if search_batch or search_seq else None
     with one_question():  # the answer at the value found repeats one of the search's simulations
         if search_batch:
             batch = kwargs.pop("batch", None)
             found = max_batch_size(**kwargs)
-            result = estimate(**kwargs, batch=batch or max(found, 1))
+            result = estimate(**kwargs, batch=batch or max(found, 1), lengths=lengths)
             result["max_batch_size"] = found
         elif search_seq:
             seq = kwargs.pop("seq", None)
             found = max_seq_len(**kwargs)
-            result = estimate(**kwargs, seq=seq or max(found, 1))
+            result = estimate(**kwargs, seq=seq or max(found, 1), lengths=lengths)
             result["max_seq_len"] = found
         else:
             result = estimate(**kwargs)

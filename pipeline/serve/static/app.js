@@ -33,7 +33,8 @@ const FLAGS = [["batch", "--batch"], ["seq", "--seq"], ["precision", "--precisio
   ["lora_targets", "--lora-targets"], ["quantization", "--quantization"], ["num_gpus", "--num-gpus"],
   ["sharding", "--sharding"], ["shard_group", "--shard-group"], ["tensor_parallel", "--tensor-parallel"],
   ["accelerate_config", "--accelerate-config"], ["gpu", "--gpu"], ["gpu_memory_gib", "--gpu-memory"],
-  ["expandable_segments", "--expandable-segments"], ["liger_kernel", "--liger-kernel"], ["layouts", "--layouts"],
+  ["expandable_segments", "--expandable-segments"], ["liger_kernel", "--liger-kernel"],
+  ["packing", "--packing"], ["padding_free", "--padding-free"], ["layouts", "--layouts"],
   ["min_gpus", "--min-gpus"], ["num_generations", "--num-generations"],
   ["max_completion_length", "--max-completion-length"], ["beta", "--beta"],
   ["axolotl_config", "--axolotl-config"], ["llamafactory_config", "--llamafactory-config"]];
@@ -46,6 +47,7 @@ const TRAINER_CLIENTS = ["trainer", "sft", "dpo", "grpo", "rloo"];
 const TRL_CLIENTS = ["sft", "dpo", "grpo", "rloo"];
 const ROLLOUT_CLIENTS = ["grpo", "rloo"];
 const ROLLOUT_FIELDS = ["num_generations", "max_completion_length", "beta"];
+const PACKING_FIELDS = ["packing", "padding_free"];  // TRL's SFTTrainer's packed batches (client sft)
 const NUMBER_FIELDS = ["batch", "seq", "gradient_accumulation", "lora_r", "lora_alpha", "num_gpus", "shard_group",
   "tensor_parallel", "gpu_memory_gib", ...ROLLOUT_FIELDS];
 const LAYOUT_FIELDS = ["num_gpus", "sharding", "shard_group", "tensor_parallel"];  // the layouts table varies them
@@ -54,6 +56,7 @@ const DEFAULT_LAYOUTS_LIMIT = 8;  // the library's: estimate --layouts without -
 // Which field a server message is about: the first rule whose words it holds.
 const ERROR_FIELDS = [
   ["accelerate_config", /accelerate/i],
+  ["packing", /packing|padding_free|padding-free/i],
   ["shard_group", /shard_group|shard group/i],
   ["tensor_parallel", /tensor_parallel|tensor parallel/i],
   ["adapters", /lora|quantiz|adapter|peft/i],
@@ -172,6 +175,7 @@ function question() {
       if (v !== undefined) q[name] = v;
     }
   }
+  if (client === "sft") for (const name of PACKING_FIELDS) if ($(name).checked) q[name] = true;
   if (TRL_CLIENTS.includes(client)) q.checkpointing = $("checkpointing").checked;  // on unless told otherwise
   else if ($("checkpointing").checked) q.checkpointing = true;
   const adapters = $("adapters").value;
@@ -346,6 +350,7 @@ function setForm(q) {
   $("gradient_accumulation").value = q.gradient_accumulation ?? 1;
   $("checkpointing").checked = q.checkpointing ?? TRL_CLIENTS.includes(q.client);
   $("liger_kernel").checked = !!q.liger_kernel;
+  for (const name of PACKING_FIELDS) $(name).checked = !!q[name];
   for (const name of ROLLOUT_FIELDS) $(name).value = q[name] ?? "";
   $("adapters").value = q.quantization ? "qlora" : q.lora_r ? "lora" : "none";
   $("lora_r").value = q.lora_r ?? 16;
@@ -383,6 +388,7 @@ function showBoxes() {
   $("optim-box").hidden = !trainer;
   $("accumulation-box").hidden = !trainer;
   $("liger-box").hidden = !trainer;
+  $("packing-box").hidden = $("client").value !== "sft";
   $("rollout-box").hidden = !ROLLOUT_CLIENTS.includes($("client").value);
   const adapters = $("adapters").value;
   for (const node of document.querySelectorAll(".lora-only")) node.hidden = adapters === "none";
@@ -825,9 +831,13 @@ function drawBar(a) {
   // GRPO / RLOO: every phase of the step (generation and the log-prob passes beside the training micro-batch)
   const phases = a.phase_peaks ? ` By phase: ${Object.entries(a.phase_peaks).map(([p, v]) => `${p} ${gib(v)}`)
     .join(", ")}.` : "";
+  // packed or padding-free SFT batches: the command's line (estimate/cli.py human_summary)
+  const packed = a.padding_free ? ` ${a.packing ? "Packed rows" : "Padding-free rows"}: each micro-batch one row of `
+    + `${(a.batch_size * a.seq_len).toLocaleString("en")} tokens (every row full), position ids restarting at each `
+    + "document." : "";
   caption.textContent = `${a.method}${a.peak_phase ? `, peak in the ${a.peak_phase}` : ""}: ${formula}`
-    + `${formula && !formula.endsWith(".") ? "." : ""}${phases} After the parts: the allocator's cached slack and `
-    + "what CUDA takes outside PyTorch; the red line is the GPU.";
+    + `${formula && !formula.endsWith(".") ? "." : ""}${phases}${packed} After the parts: the allocator's cached `
+    + "slack and what CUDA takes outside PyTorch; the red line is the GPU.";
   $("bar").replaceChildren(svg, legend, caption);
 }
 
