@@ -96,8 +96,9 @@ def accuracy() -> dict:
 
 
 # The words of a setting, as `estimate` names them (the answer's own fields), and their defaults.
+# padding_free: packed or padding-free rows (TRL's packing turns it on), measured apart
 SETTING_WORDS = {"client": "loop", "precision": None, "lora_r": None, "quantization": None, "liger_kernel": False,
-                 "num_gpus": 1, "sharding": None, "tensor_parallel": 1}
+                 "num_gpus": 1, "sharding": None, "tensor_parallel": 1, "padding_free": False}
 CLIENT_NAMES = {"loop": "the standard loop", "trainer": "Trainer", "sft": "SFTTrainer", "dpo": "DPOTrainer",
                 "grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}
 SPLIT_ORDER = ("held-out", "tuned")  # rows no estimator was tuned on first
@@ -128,15 +129,16 @@ def setting_of(words: dict) -> dict:
         check_choice("quantization", setting["quantization"], QUANTIZATIONS)
     if setting["sharding"] is not None:
         check_choice("sharding", setting["sharding"], SHARDINGS)
-    if not isinstance(setting["liger_kernel"], bool):
-        raise UserError(f"liger_kernel must be true or false, not {setting['liger_kernel']!r}")
+    for name in ("liger_kernel", "padding_free"):
+        if not isinstance(setting[name], bool):
+            raise UserError(f"{name} must be true or false, not {setting[name]!r}")
     if setting["num_gpus"] > 1 and setting["sharding"] is None and setting["tensor_parallel"] == 1:
         raise UserError(f"{setting['num_gpus']} GPUs need a sharding ({', '.join(SHARDINGS)}) or tensor_parallel")
     adapters = "qlora" if setting["quantization"] else "lora" if setting["lora_r"] else "full"
     layout = layout_name(SimpleNamespace(**{k: setting[k] for k in ("num_gpus", "sharding", "tensor_parallel")}))
     return {"client": setting["client"], "adapters": adapters, "quantization": setting["quantization"],
             "precision": setting["precision"], "liger_kernel": setting["liger_kernel"], "num_gpus": setting["num_gpus"],
-            "layout": layout}
+            "layout": layout, "padding_free": setting["padding_free"]}
 
 
 def setting_label(setting: dict) -> str:
@@ -145,6 +147,8 @@ def setting_label(setting: dict) -> str:
     parts = [CLIENT_NAMES[setting["client"]], adapters[setting["adapters"]], setting["precision"]]
     if setting["liger_kernel"]:
         parts.append("Liger")
+    if setting.get("padding_free"):
+        parts.append("packed rows")
     parts.append("one GPU" if setting["num_gpus"] == 1 else f"{setting['num_gpus']} GPUs, {setting['layout']}")
     return ", ".join(parts)
 
@@ -191,6 +195,8 @@ def _matching_rows(setting: dict):
             & (adapters == setting["adapters"]) & (table["liger_kernel"] == setting["liger_kernel"]))
     if setting["quantization"]:
         same &= table["quantization"] == setting["quantization"]
+    packed = table["packing"].notna() if "packing" in table.columns else False
+    same &= packed == setting.get("padding_free", False)
     if "layout" in table.columns:
         same &= table["layout"] == setting["layout"]
     elif setting["layout"] != SINGLE_GPU:  # a table of one GPU's points

@@ -681,6 +681,7 @@ function settingQuery(a) {
     if (a.adapter.quantization) params.set("quantization", a.adapter.quantization);
   }
   if (a.liger_kernel) params.set("liger_kernel", "true");
+  if (a.padding_free) params.set("padding_free", "true");
   if (a.num_gpus > 1) {
     params.set("num_gpus", String(a.num_gpus));
     if (a.sharding) params.set("sharding", a.sharding);
