@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, pipeline
 
 from pipeline.cli import main
 from pipeline.core.errors import UserError
@@ -183,3 +183,49 @@ def test_packed_batches_on_several_gpus_count_the_mask_on_each(sharding):
     tokens = 2 * 256
     extra = packed["peak_bytes"] - plain["peak_bytes"]
     assert packed["padding_free"] and 2 * 2 * tokens ** 2 <= extra < 6 * tokens ** 2
+
+
+def test_a_dataset_file_is_tokenized_as_sfttrainer_does(tmp_path, capsys):
+    """A local JSONL with plain text and prompt-completion rows, and a tokenizer's folder (the project's word-level
+    tokenizer, saved as a Hub tokenizer is): each text ends with the eos token, as SFTTrainer adds it."""
+    from pipeline.training.dataset_lengths import dataset_lengths
+    from pipeline.training.sft import tokenizer
+
+    folder = tmp_path / "tokenizer"
+    tokenizer(4096).save_pretrained(folder)
+    rows = [{"text": " ".join(f"t{i}" for i in range(5, 305))}, {"text": "t7 t8 t1"},
+            {"prompt": "t9 t10 t11", "completion": " t12 t13"}]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(folder)
+    count = lambda text: len(loaded(text=text)["input_ids"])  # noqa: E731
+    expected = [count(rows[0]["text"] + "t1"), count("t7 t8 t1"), count("t9 t10 t11 t12 t13t1")]
+    assert expected[1] == 3 and expected[0] > 300
+    assert dataset_lengths(str(path), str(folder)) == expected  # the eos added where the text lacks it
+    code = main(["estimate", "--model", SMOL, "--client", "sft", "--batch", "1", "--seq", "256", "--padding-free",
+                 "--dataset", str(path), "--tokenizer", str(folder), "--method", "formula", "--json"])
+    answer = json.loads(capsys.readouterr().out)
+    assert code == 0 and answer["worst_step"]["documents"] == 3
+    assert answer["worst_step"]["tokens"] == 256  # the longest document, truncated to max_length
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "t5"}]}) + "\n")
+    code = main(["estimate", "--model", SMOL, "--client", "sft", "--batch", "1", "--seq", "256", "--packing",
+                 "--dataset", str(chat), "--tokenizer", str(folder), "--method", "formula"])
+    err = capsys.readouterr().err
+    assert code == 2 and "row 1: the chat template cannot be applied" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset", "missing.jsonl"], "dataset missing.jsonl: file not found"),
+    (["--dataset", "org/not-a-dataset-here"], "dataset org/not-a-dataset-here: cannot be loaded"),
+    (["--lengths", "missing.txt"], "lengths file missing.txt: cannot be read"),
+    (["--tokenizer", "x"], "tokenizer goes with a dataset"),
+])
+def test_a_dataset_that_cannot_be_read_is_one_line(args, message, tmp_path):
+    """Offline, as here: a Hub dataset cannot be fetched (a command of its own: the Hub's offline switch is read
+    when its library is imported)."""
+    result = pipeline("estimate", "--model", SMOL, "--client", "sft", "--batch", "1", "--seq", "256", "--packing",
+                      "--method", "formula", *args, cwd=tmp_path, check=False)
+    assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr

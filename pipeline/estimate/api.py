@@ -289,7 +289,7 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
              accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
              max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None, vllm_gpu_memory_utilization=None,
              grpo_config=None, axolotl_config=None, llamafactory_config=None, packing=None, padding_free=None,
-             lengths=None) -> dict:
+             lengths=None, dataset=None, tokenizer=None) -> dict:
     """Peak memory of a training step at (batch, seq), with its components (bytes).
 
     Give one of `model` (registry or Hub id), `config` (config.json path, its dict, or a
@@ -343,7 +343,9 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
     turns `padding_free` on) and `padding_free` (a micro-batch's rows concatenated into one, position ids restarting
     at each document, no attention mask: torch's SDPA then gets a (N, N) packed-sequence mask); every row full, the
     worst case. `lengths` (a dataset's token counts per document) adds `worst_step`: the micro-batch of that
-    dataset with the most tokens (the fullest packed rows, or the longest documents) and its peak and verdict.
+    dataset with the most tokens (the fullest packed rows, or the longest documents) and its peak and verdict;
+    `dataset` (a local JSON / JSONL file or a Hub dataset id) gives them, tokenized as SFTTrainer does with the model's
+    tokenizer (`tokenizer`: another, or a folder).
 
     `method`: blog, heuristic, formula or exact; None: heuristic, or exact for DeepSpeed and the online RL
     clients (the closed forms model neither).
@@ -351,8 +353,25 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
     options = dict(locals())
     dev = gpu_of(gpu, gpu_memory_gib)
     estimator, target, run, notes = prepared(_what(options), options, method, coefficients, dev)
+    lengths = lengths_of(lengths, dataset, tokenizer, target)
     result = with_notes(answer(estimator, target, run, dev), notes)
     return result if lengths is None else with_worst_step(result, estimator, target, run, dev, lengths)
+
+
+def lengths_of(lengths, dataset, tokenizer, target: Target):
+    """The documents' token counts of the worst step: `lengths`, or those of `dataset` tokenized with `tokenizer` (by
+    default the model's); None for neither."""
+    if dataset is None:
+        if tokenizer is not None:
+            raise UserError("tokenizer goes with a dataset (--dataset)")
+        return lengths
+    if lengths is not None:
+        raise UserError("give a dataset or its lengths, not both")
+    if tokenizer is None and target.model_id is None:
+        raise UserError("dataset: its tokenizer is the model's, and no model id is given: give --tokenizer")
+    from pipeline.training.dataset_lengths import dataset_lengths
+
+    return dataset_lengths(dataset, tokenizer or target.model_id)
 
 
 def with_worst_step(result: dict, estimator: Estimator, target: Target, run: Run, dev: Device | None,

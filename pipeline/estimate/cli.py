@@ -7,7 +7,7 @@ import json
 
 from pipeline.formulas.gpus import DEVICES
 from pipeline.core.errors import UserError
-from pipeline.estimate.api import answer, layouts_answer, prepared, with_notes, with_worst_step
+from pipeline.estimate.api import answer, layouts_answer, lengths_of, prepared, with_notes, with_worst_step
 from pipeline.estimate.memo import one_question
 from pipeline.estimate.search import largest_batch, largest_seq
 from pipeline.training.values import GIB
@@ -145,6 +145,11 @@ def add_packing_arguments(parser) -> None:
     group.add_argument("--lengths", default=None, metavar="FILE",
                        help="your dataset's document lengths (a JSON list, one count per line, or JSON lines with "
                             "input_ids): the answer adds its worst step, the micro-batch with the most tokens")
+    group.add_argument("--dataset", default=None, metavar="FILE_OR_ID",
+                       help="your dataset (a JSON / JSONL file with text, messages or prompt and completion, or a Hub "
+                            "dataset id), tokenized as SFTTrainer does: its worst step, as --lengths")
+    group.add_argument("--tokenizer", default=None, metavar="ID_OR_DIR",
+                       help="with --dataset: the tokenizer (default: the model's)")
 
 
 def share(text: str) -> float:
@@ -191,6 +196,7 @@ def _estimate_command(args) -> int:
         without_unused_libraries_in_transformers()
     estimator, target, run, notes = prepared({k: options[k] for k in ("model", "config", "params", "active_params")},
                                              options, args.method, args.coefficients, dev)
+    lengths = lengths_of(lengths, args.dataset, args.tokenizer, target)
     if args.layouts or args.min_gpus:
         result = layouts_answer(estimator, target, run, dev, args.min_gpus, args.num_gpus)
         print(json.dumps(result, indent=2) if args.json else layouts_summary(result))

@@ -44,7 +44,9 @@ SEARCHES = ("max_batch_size", "max_seq_len", "layouts", "min_gpus")
 # The layouts' searches vary the layout themselves: the command drops these of the question (estimate/cli.py).
 LAYOUT_FIELDS = ("sharding", "shard_group", "tensor_parallel")
 # Fields the server will not take from a request, and why.
-REFUSED = {"coefficients": "the server answers with its own coefficient file"}
+REFUSED = {"coefficients": "the server answers with its own coefficient file",
+           "dataset": "it reads no file of its host and fetches no dataset: send the documents' token counts (lengths)",
+           "tokenizer": "it loads no tokenizer: send the documents' token counts (lengths)"}
 # Fields that are JSON objects (the library also takes a path: the server does not).
 OBJECTS = ("config", "training_args", "peft_config", "sft_config", "accelerate_config", "deepspeed", "grpo_config",
            "axolotl_config", "llamafactory_config")
