@@ -4,8 +4,8 @@ Python package only: the system's browser, no browser download). The page asks a
 the numbers it shows are checked against `python -m pipeline estimate ... --json` for the same
 question, the fit verdict's wording, the copied command, and the message beside the field of a bad
 config; a several-GPU question's layouts table and fewest GPUs, formula and exact, against the command's
-`--layouts` / `--min-gpus` JSON. A PNG screenshot of each state is written to tests/artifacts/serve/ (CI keeps
-that folder).
+`--layouts` / `--min-gpus` JSON; an SFT question's pasted document lengths and its dataset's worst step. A PNG
+screenshot of each state is written to tests/artifacts/serve/ (CI keeps that folder).
 
 Skipped with the reason when Chromium or Playwright is missing, unless AVP_REQUIRE_BROWSER=1 (set by
 .ci/run, which installs them): then it fails.
@@ -293,6 +293,72 @@ def test_sfttrainer_with_liger_is_asked_as_the_command_asks_it(page, server):
     assert expected["client"] == "sft" and expected["liger_kernel"] is True
     assert expected["precision"] == "bf16-autocast"
     check_numbers(s, expected, "the L4")
+    assert page.errors == []
+
+
+WORST_SHOWN = """() => {
+    const line = document.getElementById('worst-step');
+    return {text: line.textContent, hidden: line.hidden, documents: line.dataset.documents,
+            method: line.dataset.method, fits: line.dataset.fits, cli: document.getElementById('cli').textContent,
+            python: document.getElementById('python').textContent};
+}"""
+
+
+def test_an_sft_datasets_document_lengths_give_its_worst_step(page, server):
+    """Client sft, packing ticked and a dataset's token counts pasted (commas, spaces, a new line): the page sends
+    them as `lengths` (whole numbers) and shows the answer's worst step in one line, the server's; the shareable
+    link keeps them and the copied command reads them from a file. A count that is not a whole number is one line
+    beside the box, and nothing is asked."""
+    lengths = [100, 300, 512, 40]
+    question = {"model": "HuggingFaceTB/SmolLM2-135M", "batch": 2, "seq": 512, "weights_dtype": "bf16",
+                "client": "sft", "optim": "adamw_torch_fused", "checkpointing": True, "packing": True,
+                "lengths": lengths, "gpu": "L4", "method": "exact"}
+    posted = []
+
+    def record(req):
+        if req.method == "POST" and req.url.endswith("/api/estimate"):
+            posted.append(json.loads(req.post_data))
+
+    page.goto(server)
+    wait_for_models(page)
+    page.on("request", record)
+    try:
+        page.check("input[name=source][value=model]")
+        page.fill("#model", question["model"])
+        page.fill("#batch", str(question["batch"]))
+        page.fill("#seq", str(question["seq"]))
+        page.select_option("#adapters", "none")
+        page.select_option("#gpu", question["gpu"])
+        page.select_option("#client", "sft")
+        page.check("#packing")
+        page.fill("#lengths", "100, 300 512\n40")  # the lengths last: no answer before has a worst step
+        shown = poll(page, WORST_SHOWN, lambda w: w["method"] == "exact", 120)
+        page.wait_for_timeout(500)  # the formula's searches and curve, asked before, have come back
+        screenshot(page, "13-sft-lengths-worst-step.png")
+        assert question in posted  # the page's question is the server's words for it, the lengths whole numbers
+        assert not any("lengths" in b and (b.get("max_batch_size") or b.get("max_seq_len")) for b in posted)
+        status, expected, _ = ask(server, question)
+        assert status == 200, expected
+        w = expected["worst_step"]
+        assert w["documents"] == 4 and shown["documents"] == "4" and shown["fits"] == "true" and not shown["hidden"]
+        assert shown["text"] == (f"Worst step of your 4 documents: {w['tokens']:,} tokens, peak "
+                                 f"{w['peak_bytes'] / GIB:.2f} GiB allocated, {w['peak_reserved_bytes'] / GIB:.2f} "
+                                 f"GiB reserved; fits, {w['headroom_bytes'] / GIB:.2f} GiB of headroom (exact)")
+        assert "--packing --lengths lengths.txt" in shown["cli"]
+        assert 'lengths=read_lengths("lengths.txt")' in shown["python"]
+        assert "lengths=100%2C300%2C512%2C40" in page.url  # the shareable link
+
+        posted.clear()
+        page.fill("#lengths", "12, x")
+        error = poll(page, "() => document.getElementById('error-lengths').textContent", bool, 10)
+        assert error == ('document lengths: "x" is not a whole number of tokens (token counts separated by commas, '
+                         "spaces or new lines)")
+        assert page.get_attribute("#lengths", "class") == "invalid" and page.is_hidden("#worst-step")
+        page.wait_for_timeout(1500)  # past the delays before the formula and the exact answer are asked
+        screenshot(page, "14-sft-lengths-not-whole.png")
+        assert posted == []
+    finally:
+        page.remove_listener("request", record)
     assert page.errors == []
 
 

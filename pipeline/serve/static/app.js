@@ -34,13 +34,14 @@ const FLAGS = [["batch", "--batch"], ["seq", "--seq"], ["precision", "--precisio
   ["sharding", "--sharding"], ["shard_group", "--shard-group"], ["tensor_parallel", "--tensor-parallel"],
   ["accelerate_config", "--accelerate-config"], ["gpu", "--gpu"], ["gpu_memory_gib", "--gpu-memory"],
   ["expandable_segments", "--expandable-segments"], ["liger_kernel", "--liger-kernel"],
-  ["packing", "--packing"], ["padding_free", "--padding-free"], ["layouts", "--layouts"],
+  ["packing", "--packing"], ["padding_free", "--padding-free"], ["lengths", "--lengths"], ["layouts", "--layouts"],
   ["min_gpus", "--min-gpus"], ["num_generations", "--num-generations"],
   ["max_completion_length", "--max-completion-length"], ["beta", "--beta"],
   ["axolotl_config", "--axolotl-config"], ["llamafactory_config", "--llamafactory-config"]];
 // A pasted file is named by the file it would be on the command line (the server takes its content).
+// The document lengths likewise: the command reads them from a file (--lengths FILE), one count per line.
 const FILE_NAMES = {accelerate_config: "accelerate_config.yaml", axolotl_config: "axolotl.yaml",
-  llamafactory_config: "llamafactory.yaml"};
+  llamafactory_config: "llamafactory.yaml", lengths: "lengths.txt"};
 // The clients that run a Trainer (its optim, accumulation and Liger), and TRL's, which checkpoint by default;
 // GRPO and RLOO generate their completions in the step (completions per prompt, their length, beta).
 const TRAINER_CLIENTS = ["trainer", "sft", "dpo", "grpo", "rloo"];
@@ -48,6 +49,7 @@ const TRL_CLIENTS = ["sft", "dpo", "grpo", "rloo"];
 const ROLLOUT_CLIENTS = ["grpo", "rloo"];
 const ROLLOUT_FIELDS = ["num_generations", "max_completion_length", "beta"];
 const PACKING_FIELDS = ["packing", "padding_free"];  // TRL's SFTTrainer's packed batches (client sft)
+const LINK_LENGTHS = 2000;  // the document lengths a shareable link holds (the first ones)
 const NUMBER_FIELDS = ["batch", "seq", "gradient_accumulation", "lora_r", "lora_alpha", "num_gpus", "shard_group",
   "tensor_parallel", "gpu_memory_gib", ...ROLLOUT_FIELDS];
 const LAYOUT_FIELDS = ["num_gpus", "sharding", "shard_group", "tensor_parallel"];  // the layouts table varies them
@@ -55,6 +57,7 @@ const DEFAULT_LAYOUTS_LIMIT = 8;  // the library's: estimate --layouts without -
 
 // Which field a server message is about: the first rule whose words it holds.
 const ERROR_FIELDS = [
+  ["lengths", /^lengths\b|document lengths/i],
   ["accelerate_config", /accelerate/i],
   ["packing", /packing|padding_free|padding-free/i],
   ["shard_group", /shard_group|shard group/i],
@@ -175,7 +178,11 @@ function question() {
       if (v !== undefined) q[name] = v;
     }
   }
-  if (client === "sft") for (const name of PACKING_FIELDS) if ($(name).checked) q[name] = true;
+  if (client === "sft") {
+    for (const name of PACKING_FIELDS) if ($(name).checked) q[name] = true;
+    const lengths = documentLengths();
+    if (lengths) q.lengths = lengths;
+  }
   if (TRL_CLIENTS.includes(client)) q.checkpointing = $("checkpointing").checked;  // on unless told otherwise
   else if ($("checkpointing").checked) q.checkpointing = true;
   const adapters = $("adapters").value;
@@ -200,7 +207,32 @@ function question() {
   if (client === "loop" && tp !== undefined && tp !== 1) q.tensor_parallel = tp;
   const accelerate = $("accelerate_config").value.trim();
   if (accelerate) q.accelerate_config = parseAccelerate(accelerate);
-  return withGpu(q);
+  withGpu(q);
+  if (q.lengths && JSON.stringify(q).length > MAX_UPLOAD) {
+    throw new FieldError("lengths", `${q.lengths.length.toLocaleString("en")} document lengths are over the `
+      + "server's 1 MiB limit on a request: the command takes any number (--lengths FILE)");
+  }
+  return q;
+}
+
+// A dataset's document lengths as pasted (token counts between commas, spaces or new lines), or undefined for
+// none: the answer adds the dataset's worst step. Anything but a whole number is a message beside the box.
+function documentLengths() {
+  const words = $("lengths").value.split(/[\s,]+/).filter(Boolean);
+  if (!words.length) return undefined;
+  const bad = words.find((w) => !/^\d+$/.test(w) || !Number.isSafeInteger(Number(w)));
+  if (bad !== undefined) {
+    const shown = bad.length > 24 ? `${bad.slice(0, 24)}…` : bad;
+    throw new FieldError("lengths", `document lengths: ${JSON.stringify(shown)} is not a whole number of tokens `
+      + "(token counts separated by commas, spaces or new lines)");
+  }
+  return words.map(Number);
+}
+
+// A question without its document lengths: the searches and the curve's points, which do not use them.
+function withoutLengths(q) {
+  const {lengths, ...rest} = q;
+  return rest;
 }
 
 // The GPU of a question (from the catalogue, or its memory) and the allocator's expandable segments.
@@ -351,6 +383,7 @@ function setForm(q) {
   $("checkpointing").checked = q.checkpointing ?? TRL_CLIENTS.includes(q.client);
   $("liger_kernel").checked = !!q.liger_kernel;
   for (const name of PACKING_FIELDS) $(name).checked = !!q[name];
+  $("lengths").value = Array.isArray(q.lengths) ? q.lengths.join(", ") : q.lengths ?? "";
   for (const name of ROLLOUT_FIELDS) $(name).value = q[name] ?? "";
   $("adapters").value = q.quantization ? "qlora" : q.lora_r ? "lora" : "none";
   $("lora_r").value = q.lora_r ?? 16;
@@ -419,7 +452,10 @@ function modelHint() {
 function writeHash(q) {
   if (q.config || q.axolotl_config || q.llamafactory_config) { history.replaceState(null, "", location.pathname); return; }
   const params = new URLSearchParams();
-  for (const [k, v] of Object.entries(q)) params.set(k, typeof v === "object" ? JSON.stringify(v) : String(v));
+  for (const [k, v] of Object.entries(q)) {
+    if (k === "lengths") params.set(k, v.slice(0, LINK_LENGTHS).join(","));
+    else params.set(k, typeof v === "object" ? JSON.stringify(v) : String(v));
+  }
   history.replaceState(null, "", `#${params}`);
 }
 
@@ -510,8 +546,9 @@ function askExact() {
 
 async function runFormula(gen, q) {
   const f = {...q, method: "formula"};
-  const [main, batch, seq] = await Promise.all([ask(f), ask({...f, max_batch_size: true}),
-                                                ask({...f, max_seq_len: true})]);
+  const bare = withoutLengths(f);  // the searches' values and the curve do not depend on the lengths
+  const [main, batch, seq] = await Promise.all([ask(f), ask({...bare, max_batch_size: true}),
+                                                ask({...bare, max_seq_len: true})]);
   if (gen !== state.gen) return;
   if (!main.ok) {
     state.formulaError = main.body.error;
@@ -527,7 +564,7 @@ async function runFormula(gen, q) {
   state.searches.mbsFormula = batch.ok ? batch.body.max_batch_size : null;
   state.searches.mslFormula = seq.ok ? seq.body.max_seq_len : null;
   render();
-  const points = await Promise.all(curveSeqs(q).map((s) => ask({...f, seq: s})));
+  const points = await Promise.all(curveSeqs(q).map((s) => ask({...bare, seq: s})));
   if (gen !== state.gen) return;
   state.curve = points.filter((p) => p.ok).map((p) => p.body);
   render();
@@ -623,6 +660,7 @@ function render() {
       ? "No answer: see the message beside the field." : "Estimating…") : "Fill in the question.";
     for (const id of ["peak", "reserved", "headroom"]) { $(id).textContent = "–"; $(id).dataset.bytes = ""; }
     $("method").textContent = "";
+    renderWorstStep(null);
     if (state.exactError) setStatus("");
     // the exact method's message is beside the field; the formula's is a note while the exact one is awaited
     $("notes").textContent = state.formulaError && state.q && !state.exactError ? `formula: ${state.formulaError}` : "";
@@ -639,6 +677,7 @@ function render() {
   if ("headroom_bytes" in a) {
     $("headroom").textContent = gib(a.headroom_bytes); $("headroom").dataset.bytes = String(a.headroom_bytes);
   }
+  renderWorstStep(a);
   const method = $("method");
   method.dataset.method = a.method;
   method.replaceChildren(methodLabel(a.method, a === state.exact ? state.exactSeconds : state.formulaSeconds),
@@ -660,6 +699,23 @@ function render() {
   renderLayouts();
   drawPlot(a);
   renderCopies(a);
+}
+
+// The dataset's worst step (the answer's worst_step, for the document lengths asked): one line under the figures.
+function renderWorstStep(a) {
+  const line = $("worst-step");
+  const w = a && a.worst_step;
+  line.hidden = !w;
+  line.dataset.documents = w ? String(w.documents) : "";
+  line.dataset.tokens = w ? String(w.tokens) : "";
+  line.dataset.fits = w && "fits" in w ? String(w.fits) : "";
+  line.dataset.method = w ? a.method : "";
+  if (!w) { line.textContent = ""; return; }
+  const verdict = !("fits" in w) ? "" : w.fits ? `; fits, ${gib(w.headroom_bytes)} of headroom`
+    : `; does not fit, ${gib(-w.headroom_bytes)} short`;
+  line.textContent = `Worst step of your ${w.documents.toLocaleString("en")} document${w.documents === 1 ? "" : "s"}: `
+    + `${w.tokens.toLocaleString("en")} tokens, peak ${gib(w.peak_bytes)} allocated, ${gib(w.peak_reserved_bytes)} `
+    + `reserved${verdict} (${a.method})`;
 }
 
 function methodLabel(method, seconds) {
@@ -938,7 +994,7 @@ function renderCopies(a) {
   $("python").textContent = pythonCode(q, method);
   const link = $("json-link");
   if (state.blobUrl) { URL.revokeObjectURL(state.blobUrl); state.blobUrl = null; }
-  if (q.model) {
+  if (q.model && !q.lengths) {  // a dataset's lengths make the link too long: the answer itself, as for a file
     const params = new URLSearchParams();
     for (const [k, v] of Object.entries({...q, method})) params.set(k, String(v));
     link.href = `/api/estimate?${params}`;
@@ -971,10 +1027,14 @@ function sourceArgument(q, flag, python = false) {
 }
 
 function pythonCode(q, method) {
-  const lines = ["from pipeline.estimate import estimate", ""];
+  const lines = ["from pipeline.estimate import estimate"];
+  if (q.lengths) lines.push("from pipeline.training.packing import read_lengths");
+  lines.push("");
   const args = sourceArgument(q, (name) => `${name}=`, true);
   for (const [key] of FLAGS) {
-    if (q[key] !== undefined) args.push(`${key}=${key in FILE_NAMES ? py(FILE_NAMES[key]) : py(q[key])}`);
+    if (q[key] === undefined) continue;
+    if (key === "lengths") args.push(`lengths=read_lengths(${py(FILE_NAMES.lengths)})`);
+    else args.push(`${key}=${key in FILE_NAMES ? py(FILE_NAMES[key]) : py(q[key])}`);
   }
   args.push(`method=${py(method)}`);
   lines.push(`answer = estimate(${args.join(", ")})`);
@@ -1056,7 +1116,7 @@ async function start() {
 
 function runSearch(kind) {
   if (!state.q) return;
-  const q = {...state.q, method: "exact"};
+  const q = {...withoutLengths(state.q), method: "exact"};
   if (kind === "mbs") q.max_batch_size = true; else q.max_seq_len = true;
   state.searches[`${kind}Exact`] = "queued…";
   renderSearches();
@@ -1074,7 +1134,7 @@ function layoutsLimit() {
 }
 
 function layoutsQuestion(kind) {
-  const q = {...state.q};
+  const q = withoutLengths(state.q);  // the server refuses them with layouts and min_gpus
   for (const name of LAYOUT_FIELDS) delete q[name];
   q.num_gpus = kind === "min_gpus" ? state.info.max_num_gpus : layoutsLimit();
   q[kind] = true;
