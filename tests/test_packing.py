@@ -41,12 +41,16 @@ def test_the_worst_step_is_the_fullest_rows_or_the_longest_documents():
     packed = worst_step(lengths, 2, 1024, Packing(True))
     assert packed.tokens == fullest[0] + fullest[1] and packed.seq == -(-packed.tokens // 2)
     assert packed.packing == Packing(True, True)
-    free = worst_step(lengths, 2, 1024, Packing(False, True))
-    assert (free.tokens, free.seq, free.packing) == (1024 + 900, 962, Packing(False, True))
+    free = worst_step(lengths, 2, 1024, Packing(False, True))  # TRL runs it without max_length: untruncated
+    assert (free.tokens, free.seq, free.packing) == (3000 + 900, 1950, Packing(False, True))
     padded = worst_step(lengths, 3, 1024, None)
     assert (padded.tokens, padded.seq, padded.packing) == (3 * 1024, 1024, None)
     lone = worst_step([700], 1, 1024, Packing(True))  # one row of one document: no packed-sequence mask
-    assert (lone.tokens, lone.seq, lone.packing.documents) == (700, 700, (700,))
+    assert (lone.tokens, lone.seq, lone.packing.documents, lone.batch) == (700, 700, (700,), 1)
+    tie = worst_step([300, 128, 128], 1, 256, Packing(True))  # two full rows: the one of two documents is the worse
+    assert (tie.tokens, tie.packing.documents) == (256, None)
+    few = worst_step([5, 7], 8, 256, Packing(True))  # fewer rows than the batch: the step has them only
+    assert (few.batch, few.tokens) == (1, 12)
 
 
 def run_sft(device: str, attention: str, packing: Packing | None, checkpointing: bool = True, batch: int = 2,
@@ -208,7 +212,7 @@ def test_a_dataset_file_is_tokenized_as_sfttrainer_does(tmp_path, capsys):
                  "--dataset", str(path), "--tokenizer", str(folder), "--method", "formula", "--json"])
     answer = json.loads(capsys.readouterr().out)
     assert code == 0 and answer["worst_step"]["documents"] == 3
-    assert answer["worst_step"]["tokens"] == 256  # the longest document, truncated to max_length
+    assert answer["worst_step"]["tokens"] == expected[0]  # padding-free alone: the longest document, untruncated
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [{"role": "user", "content": "t5"}]}) + "\n")
     code = main(["estimate", "--model", SMOL, "--client", "sft", "--batch", "1", "--seq", "256", "--packing",

@@ -198,12 +198,10 @@ def packing_of(client: str, from_file, packing, padding_free):
     """The run's `Packing` (sft): the explicit `packing` / `padding_free` over the file's; None where neither is on."""
     from pipeline.training.packing import Packing
 
+    if from_file is not None:  # TRL's bfd packing turns padding-free on whatever padding_free says
+        packing = from_file.packing if packing is None else packing
+        padding_free = from_file.padding_free if padding_free is None else padding_free
     given = Packing.of(packing, padding_free, "packing")
-    if packing is None and padding_free is None:
-        given = from_file
-    elif from_file is not None and given is not None:
-        given = Packing(packing if packing is not None else from_file.packing,
-                        padding_free if padding_free is not None else from_file.padding_free)
     if given is not None and client != "sft":
         raise UserError(f"packing and padding_free are TRL's SFTTrainer's (--client sft), not the {client} client's")
     return given
@@ -364,7 +362,11 @@ def lengths_of(lengths, dataset, tokenizer, target: Target):
     if dataset is None:
         if tokenizer is not None:
             raise UserError("tokenizer goes with a dataset (--dataset)")
-        return lengths
+        if lengths is None:
+            return None
+        from pipeline.training.packing import check_lengths
+
+        return check_lengths(lengths)  # before anything is simulated
     if lengths is not None:
         raise UserError("give a dataset or its lengths, not both")
     if tokenizer is None and target.model_id is None:
@@ -391,10 +393,10 @@ def with_worst_step(result: dict, estimator: Estimator, target: Target, run: Run
 
 
 def worst_step_run(run: Run, worst) -> Run:
-    """The run of a dataset's worst step: its rows' length and packing."""
+    """The run of a dataset's worst step: its rows, their length and packing."""
     from dataclasses import replace
 
-    return replace(run, seq=worst.seq, packing=worst.packing)
+    return replace(run, batch=worst.batch, seq=worst.seq, packing=worst.packing)
 
 
 def _what(options: dict) -> dict:

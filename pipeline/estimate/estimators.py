@@ -252,8 +252,8 @@ class FormulaEstimator(FittedEstimator):
             spec = run.adapter
             result["components"]["activations"] += run.batch * run.seq * lora_saved_bytes_per_token(
                 facts, spec.targets, run.precision, spec.quantization, run.checkpointing)
-        if run.packing is not None:
-            from pipeline.formulas.packed_mask import packed_mask_bytes
+        if run.packing is not None and (run.batch > 1 or len(run.packing.row_documents(run.seq)) > 1):
+            from pipeline.formulas.packed_mask import packed_mask_bytes  # one document a step: no mask
 
             result["components"]["activations"] += packed_mask_bytes(
                 facts, run.batch * run.seq, run.checkpointing, run.attn_implementation, ACTIVATION_BYTES[precision])

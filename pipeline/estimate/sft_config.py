@@ -141,8 +141,10 @@ def file_packing(args: dict, label: str, client: str):
     if packing is None:
         return None
     strategy = args.get("packing_strategy", "bfd")
-    if packing.packing and strategy not in ("bfd", "bfd_split", "bfd-requeue"):
-        raise UserError(f"{label}: packing_strategy {short(strategy)} is not simulated (bfd and bfd_split are)")
+    if packing.packing and strategy != "bfd":
+        raise UserError(f"{label}: packing_strategy {short(strategy)} is not simulated yet (bfd, TRL's default, is)")
+    if packing.packing and "max_length" in args and args["max_length"] is None:
+        raise RunWouldCrash(f"{label}: TRL refuses packing with max_length null (the rows' length): set max_length")
     if not packing.packing and args.get("max_length", MAX_LENGTH_DEFAULT) is not None:
         raise RunWouldCrash(f"{label}: TRL refuses padding_free without packing when max_length is set (it would "
                             "not be enforced): set max_length: null (documents untruncated; give their length with "

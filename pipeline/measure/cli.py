@@ -78,10 +78,7 @@ def _measure_command(args) -> int:
         from pipeline.core.io import parse_json
         from pipeline.training.packing import Packing
 
-        keys = parse_json(args.packing, "--packing", "not JSON")
-        if not isinstance(keys, dict) or not set(keys) <= {"packing", "padding_free", "documents"}:
-            raise UserError("--packing must be a JSON object of packing, padding_free and documents")
-        packing = Packing.from_text(args.packing)
+        packing = Packing.from_keys(parse_json(args.packing, "--packing", "not JSON"), "--packing")
     setting = Setting(args.variant, args.optimizer, args.checkpointing, args.client, args.optim,
                       args.gradient_accumulation, adapter_from_arguments(args), args.liger_kernel, args.completion_share,
                       rollout=rollout, packing=packing)

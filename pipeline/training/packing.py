@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import numbers
 from collections import deque
 from dataclasses import dataclass
 
@@ -80,6 +81,21 @@ class Packing:
         given = json.loads(text)
         return cls(bool(given.get("packing")), bool(given.get("padding_free")), given.get("documents"))
 
+    @classmethod
+    def from_keys(cls, keys, label: str) -> Packing | None:
+        """A table's packing cell as given by hand (`measure --packing`): its keys checked, one line for a bad one."""
+        if not isinstance(keys, dict) or not set(keys) <= {"packing", "padding_free", "documents"}:
+            raise UserError(f"{label} must be a JSON object of packing, padding_free and documents")
+        packing = cls.of(keys.get("packing"), keys.get("padding_free"), label)
+        documents = keys.get("documents")
+        if documents is not None:
+            documents = check_lengths(documents, f"{label}: documents")
+        if packing is None:
+            if documents is not None:
+                raise UserError(f"{label}: documents go with packing or padding_free")
+            return None
+        return cls(packing.packing, packing.padding_free, documents)
+
 
 def check_lengths(lengths, label: str = "lengths") -> list[int]:
     """A dataset's document lengths (token counts): whole numbers from 1."""
@@ -89,9 +105,9 @@ def check_lengths(lengths, label: str = "lengths") -> list[int]:
     if not lengths or len(lengths) > MAX_DOCUMENTS:
         raise UserError(f"{label} must list from 1 to {MAX_DOCUMENTS:,} token counts, not {len(lengths):,}")
     for n in lengths:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
             raise UserError(f"{label}: every token count must be a whole number from 1, not {short(n)}")
-    return lengths
+    return [int(n) for n in lengths]
 
 
 def read_lengths(path) -> list[int]:
@@ -164,28 +180,32 @@ class WorstStep:
     tokens: int
     seq: int
     packing: Packing | None
+    batch: int  # the rows of the step: the run's batch, or fewer where the dataset has fewer
 
     def note(self, batch: int, seq: int, count: int) -> str:
         kind = ("packed rows" if self.packing.packing else "documents, concatenated") if self.packing else \
             "documents, padded to the longest"
-        return (f"the worst step of the {count:,} documents: {self.tokens:,} tokens in {batch} {kind} (at max_length "
-                f"{seq:,}: {batch * seq:,})")
+        return (f"the worst step of the {count:,} documents: {self.tokens:,} tokens in {self.batch} {kind} (the "
+                f"step asked: {batch * seq:,})")
 
 
 def worst_step(lengths: list[int], batch: int, seq: int, packing: Packing | None) -> WorstStep:
     """The micro-batch of `batch` rows with the most tokens that the Trainer's shuffled sampler can draw from a
-    dataset of documents of `lengths` tokens (truncated to max_length `seq`): the `batch` fullest packed rows, or
-    the `batch` longest documents (padded to the longest without padding-free). Its rows are simulated alike, each
+    dataset of documents of `lengths` tokens (truncated to max_length `seq`, but under padding-free alone, which TRL
+    runs without a max_length): the `batch` fullest packed rows, or the `batch` longest documents (padded to the
+    longest without padding-free). Its rows are simulated alike, each
     of the rows' mean length rounded up (the step's length, at most `seq`): packing splits each into two documents
     that pack back into one row of that length, or keeps the one document of a lone row."""
     lengths = check_lengths(lengths)
     if packing is not None and packing.packing:
-        rows = sorted(packed_rows(lengths, seq), key=sum, reverse=True)[:batch]
+        # of rows as full, those of more documents first: a row of several gets the packed-sequence mask
+        rows = sorted(packed_rows(lengths, seq), key=lambda row: (sum(row), len(row)), reverse=True)[:batch]
         tokens = sum(map(sum, rows))
         per_row = math.ceil(tokens / len(rows))
         alone = len(rows) == 1 and len(rows[0]) == 1  # one row of one document: no packed-sequence mask
-        return WorstStep(tokens, per_row, Packing(True, True, (per_row,) if alone else None))
+        return WorstStep(tokens, per_row, Packing(True, True, (per_row,) if alone else None), len(rows))
+    if packing is not None and packing.padding_free:  # TRL runs it with max_length None: nothing truncated
+        longest = sorted(lengths, reverse=True)[:batch]
+        return WorstStep(sum(longest), math.ceil(sum(longest) / len(longest)), Packing(False, True), len(longest))
     longest = sorted((min(n, seq) for n in lengths), reverse=True)[:batch]
-    if packing is not None and packing.padding_free:
-        return WorstStep(sum(longest), math.ceil(sum(longest) / len(longest)), Packing(False, True))
-    return WorstStep(len(longest) * longest[0], longest[0], None)
+    return WorstStep(len(longest) * longest[0], longest[0], None, len(longest))
