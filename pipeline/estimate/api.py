@@ -380,10 +380,12 @@ def with_worst_step(result: dict, estimator: Estimator, target: Target, run: Run
                     lengths) -> dict:
     """The answer with `worst_step`: the micro-batch with the most tokens of a dataset of documents of `lengths`
     tokens (`training.packing.worst_step`), its peak and, for a device, its verdict."""
+    from dataclasses import replace
+
     from pipeline.training.packing import worst_step
 
     worst = worst_step(lengths, run.batch, run.seq, run.packing)
-    step = worst_step_run(run, worst)
+    step = replace(run, batch=worst.batch, seq=worst.seq, packing=worst.packing)  # its rows, their length
     at = answer(estimator, target, step, dev)
     result["worst_step"] = {"tokens": worst.tokens, "seq_len": step.seq, "documents": len(lengths),
                             **{k: at[k] for k in ("peak_bytes", "peak_reserved_bytes", "fits", "headroom_bytes")
@@ -391,12 +393,6 @@ def with_worst_step(result: dict, estimator: Estimator, target: Target, run: Run
     result.setdefault("notes", []).append(worst.note(run.batch, run.seq, len(lengths)))
     return result
 
-
-def worst_step_run(run: Run, worst) -> Run:
-    """The run of a dataset's worst step: its rows, their length and packing."""
-    from dataclasses import replace
-
-    return replace(run, batch=worst.batch, seq=worst.seq, packing=worst.packing)
 
 
 def _what(options: dict) -> dict:

@@ -180,6 +180,8 @@ def _estimate_command(args) -> int:
     if args.model is None and args.config is None and args.params is None and all(
             f is None for f in [*files, args.grpo_config]):
         raise UserError("give one of --model, --config and --params (or a training file naming its model)")
+    if (args.layouts or args.min_gpus) and (args.lengths or args.dataset):
+        raise UserError("--lengths / --dataset answer a worst step, not with --layouts or --min-gpus: ask without them")
     lengths = None
     if args.lengths is not None:
         from pipeline.training.packing import read_lengths
@@ -187,8 +189,6 @@ def _estimate_command(args) -> int:
         lengths = read_lengths(args.lengths)
     options = dict(vars(args), batch=1 if args.max_batch_size and args.batch is None else args.batch,
                    seq=1 if args.max_seq_len and args.seq is None else args.seq, gpu_memory_gib=args.gpu_memory)
-    if (args.layouts or args.min_gpus) and (args.lengths or args.dataset):
-        raise UserError("--lengths / --dataset answer a worst step, not with --layouts or --min-gpus: ask without them")
     if args.layouts or args.min_gpus:  # the layouts are the answer's: the question is the run on one GPU
         if args.deepspeed is not None:
             raise UserError("the layouts table compares ddp and FSDP2 layouts; ask a DeepSpeed config with --num-gpus")
