@@ -169,3 +169,13 @@ def test_grpo_quotes_its_held_out_points():
     assert exact["worst"] < 0.001 and exact["devices"] == [H100, "NVIDIA H200"]
     unmeasured = setting_accuracy({"client": "rloo", "precision": "bf16-autocast", "num_gpus": 2, "sharding": "fsdp"})
     assert unmeasured["methods"] == {} and "is measured on a GPU: its accuracy is unknown" in unmeasured["missing"]
+
+
+def test_grpo_on_four_gpus_quotes_the_sharded_points():
+    """Issue 35's question (GRPO under ZeRO-3 on 4 GPUs) quotes the GRPO ZeRO-3 ranks measured on 2 and 4 H200s
+    (four points, ten ranks, the done-when question's 7B point among them), every verdict right; FSDP2 its six."""
+    for sharding, ranks in (("zero3", 10), ("fsdp", 6)):
+        found = setting_accuracy({"client": "grpo", "precision": "bf16-autocast", "num_gpus": 4, "sharding": sharding})
+        exact = found["methods"]["exact"]
+        assert (exact["split"], exact["points"], exact["fit_points"]) == ("held-out", ranks, ranks)
+        assert exact["fit_accuracy"] == 1.0 and exact["worst"] < 0.001 and exact["devices"] == ["NVIDIA H200"]

@@ -73,6 +73,9 @@ SETTINGS_TABLES = {
     "results/grpo_cache_heldout/h200/peak_memory.parquet": "held-out",
     # config/sweep_grpo_cache_distributed_heldout.yaml: the KV cache under ZeRO-3 on 2 GPUs
     "results/grpo_cache_distributed_heldout/h200/peak_memory.parquet": "held-out",
+    # config/sweep_grpo_4gpu_heldout.yaml: the KV cache on 4 GPUs, FSDP2 with a reference model and ZeRO-3 at issue
+    # 35's done-when question
+    "results/grpo_4gpu_heldout/h200/peak_memory.parquet": "held-out",
     # Packed and padding-free SFTTrainer batches (benchmarks/packing/points.txt, issue 36): lines 1-5 looked at while
     # the simulation was checked, lines 6-14 measured beside them and never tuned on (a point past the GPU among them)
     "results/packing/h200/peak_memory.parquet": "tuned",
