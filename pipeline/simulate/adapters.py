@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+from dataclasses import replace
 
 from pipeline.core.errors import UserError
 
@@ -48,13 +49,15 @@ def cached_adapter_model(config_json: str, precision: str, attn_implementation: 
     """The PeftModel on the meta device, built once per (config, precision, attention, adapter, checkpointing)."""
     from pipeline.training.adapters import apply_adapters
 
-    model = fresh_base_model(config_json, precision, attn_implementation, adapter.quantization)
+    model = fresh_base_model(config_json, precision, attn_implementation, adapter.quantization, adapter.quant_storage)
     return apply_adapters(model, adapter, gradient_checkpointing)
 
 
-def fresh_base_model(config_json: str, precision: str, attn_implementation: str | None, quantization: str | None):
+def fresh_base_model(config_json: str, precision: str, attn_implementation: str | None, quantization: str | None,
+                     quant_storage: str = "uint8"):
     """A model on the meta device built anew (in the precision's dtype; `quantization` nf4: its 4-bit
-    base, `quantize_on_meta`), for a client that wraps or patches the model it is given (SFTTrainer)."""
+    base stored in `quant_storage`, `quantize_on_meta`), for a client that wraps or patches the model it is given
+    (SFTTrainer)."""
     from pipeline.inputs.configs import config_from_dict
     from pipeline.inputs.modeling import build
     from pipeline.training.adapters import AdapterSpec
@@ -66,7 +69,7 @@ def fresh_base_model(config_json: str, precision: str, attn_implementation: str 
         raise UserError(f"the model cannot be built from this config: {type(exc).__name__}: "
                         f"{(str(exc).strip().splitlines() or [''])[0]}"[:300]) from None
     if quantization:
-        quantize_on_meta(model, AdapterSpec.make(8, quantization=quantization))
+        quantize_on_meta(model, replace(AdapterSpec.make(8, quantization=quantization), quant_storage=quant_storage))
     return model
 
 
@@ -105,10 +108,12 @@ def packed_weight(module, config):
                        shape=torch.Size((out_features, in_features)),
                        code=torch.empty(16, dtype=torch.float32, device="meta"), blocksize=blocksize,
                        quant_type=config.bnb_4bit_quant_type, dtype=config.bnb_4bit_compute_dtype)
-    data = torch.empty(((numel + 1) // 2, 1), dtype=torch.uint8, device="meta")
+    storage = config.bnb_4bit_quant_storage
+    data = torch.empty(((numel + 1) // (2 * storage.itemsize), 1), dtype=storage, device="meta")  # quantize_4bit's
+    module.quant_state = state  # as Params4bit's quantization leaves it (FSDP's gathered weights recover it there)
     return Params4bit(data, requires_grad=False, quant_state=state, blocksize=blocksize,
                       compress_statistics=config.bnb_4bit_use_double_quant, quant_type=config.bnb_4bit_quant_type,
-                      quant_storage=torch.uint8, module=module, bnb_quantized=True)
+                      quant_storage=storage, module=module, bnb_quantized=True)
 
 
 def loaded_from_checkpoint(model, tracker):

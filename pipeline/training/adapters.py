@@ -26,6 +26,8 @@ from pipeline.core.vocabulary import (ADAPTER_METHODS, MAX_LORA_RANK, QUANTIZATI
                                       check_positive_int)
 
 ALL_LINEAR = "all-linear"
+QUANT_STORAGES = ("uint8", "bfloat16")
+SHARDED_QUANT_STORAGE = ("fsdp", "fsdp-no-reshard", "zero3")
 
 
 def normalise_targets(targets) -> str:
@@ -64,6 +66,9 @@ class AdapterSpec:
     alpha: int | None = None
     targets: str = ALL_LINEAR
     quantization: str | None = None
+    # bnb_4bit_quant_storage: the dtype the packed 4-bit weights are stored in; bfloat16 where FSDP or ZeRO-3 shards
+    # them (`for_sharding`: FSDP2 leaves integer tensors out of its sharding, FSDP1 cannot flatten them)
+    quant_storage: str = "uint8"
     # what the adapter's config asks for that no estimator models (named in the answer's notes)
     notes: tuple = field(default=(), compare=False)
 
@@ -82,6 +87,14 @@ class AdapterSpec:
             check_choice("quantization", quantization, QUANTIZATIONS)
         if self.method == "lora" and quantization is not None:
             raise UserError("a quantized base is QLoRA: method qlora (lora has no quantization)")
+        check_choice("bnb_4bit_quant_storage", self.quant_storage, QUANT_STORAGES)
+
+    def for_sharding(self, sharding: str | None) -> AdapterSpec:
+        """The spec as a run sharded by `sharding` loads its base: a 4-bit base stored in bfloat16 under FSDP and
+        ZeRO-3, as the FSDP + QLoRA recipes (PEFT's, Axolotl's) load it, so that the packed weights shard."""
+        if self.quantization == "nf4" and sharding in SHARDED_QUANT_STORAGE:
+            return replace(self, quant_storage="bfloat16")
+        return self
 
     @classmethod
     def make(cls, r: int, alpha: int | None = None, targets=ALL_LINEAR, quantization: str | None = None) -> AdapterSpec:
@@ -190,7 +203,8 @@ def quantization_config(spec: AdapterSpec):
 
     if spec.quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                              bnb_4bit_quant_storage=getattr(torch, spec.quant_storage))
 
 
 # --- the model of an adapter point, built fresh (PEFT wraps modules in place) ---------------------
@@ -240,7 +254,11 @@ def load_quantized(folder, spec: AdapterSpec, precision: str, attn: str = "defau
 
     from pipeline.inputs.modeling import model_dtype
 
+    import torch
+
     kwargs = {} if attn == "default" else {"attn_implementation": attn}
+    if device == "cuda":  # this process's GPU (a rank's, under torchrun)
+        device = f"cuda:{torch.cuda.current_device()}"
     return AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization_config(spec),
                                                 dtype=model_dtype(precision), device_map=device, **kwargs)
 

@@ -28,8 +28,17 @@ from pipeline.measure.distributed.plan import Group, groups, read_plan, settled_
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def adapter_columns(adapter: str) -> dict:
+    """The adapter columns of a plan's adapter (full, lora or qlora: LoRA r=16 on all linear layers, nf4 base)."""
+    from pipeline.training.adapters import AdapterSpec
+
+    if adapter == "full":
+        return {"lora_r": None, "lora_alpha": None, "lora_targets": None, "quantization": None}
+    return AdapterSpec.make(16, quantization="nf4" if adapter == "qlora" else None).columns()
+
+
 def point_key(row: dict) -> tuple:
-    adapter = "lora" if row.get("lora_r") else "full"
+    adapter = ("qlora" if row.get("quantization") else "lora") if row.get("lora_r") else "full"
     group = row.get("shard_group")
     return (row["model_id"], row["client"], row["precision"], int(row["num_gpus"]), row["sharding"],
             None if group is None else int(group), int(row.get("tensor_parallel") or 1), adapter,
@@ -235,8 +244,7 @@ class Scheduler:
                 "tensor_parallel": group.tensor_parallel, "gradient_checkpointing": group.checkpointing,
                 "deepspeed": group.deepspeed, "hyperparameters": group.hyperparameters, "alloc_conf": group.alloc_conf,
                 "rollout": group.rollout, "packing": group.packing,
-                "lora_r": 16 if group.adapter == "lora" else None, "lora_alpha": 32 if group.adapter == "lora" else None,
-                "lora_targets": "all-linear" if group.adapter == "lora" else None, "batch_size": point[0],
+                **adapter_columns(group.adapter), "batch_size": point[0],
                 "seq_len": point[1], "split": group.split, "variant": "standard", "attn_implementation": "default"}
 
     def append(self, rows: list) -> None:

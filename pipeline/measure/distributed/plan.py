@@ -41,7 +41,7 @@ DEFAULT_KEYS = {"models", "clients", "precisions", "num_gpus", "shardings", "sha
                 "adapters", "checkpointing", "grid", "points", "split", "timeout_seconds", "configs", "deepspeed",
                 "hyperparameters", "alloc_conf", "memory_history", "rollouts", "packings"}
 PLAN_KEYS = DEFAULT_KEYS | {"groups"}
-ADAPTERS = ("full", "lora")
+ADAPTERS = ("full", "lora", "qlora")  # qlora: LoRA r=16 on an nf4 base
 # The precision a client runs on a model loaded in bf16 (the Trainer clients with bf16=True: bf16-autocast).
 DEFAULT_PRECISION = {"loop": "bf16", "trainer": "bf16-autocast", "sft": "bf16-autocast", "dpo": "bf16-autocast",
                      "grpo": "bf16-autocast", "rloo": "bf16-autocast"}

@@ -54,7 +54,8 @@ def measure_rank(args) -> dict:
     if history:
         memory_history.start()
     record = model_record(None if args.config else args.model, args.config, args.configs)
-    adapter = AdapterSpec.make(16) if args.adapter == "lora" else None
+    adapter = {"full": None, "lora": AdapterSpec.make(16),
+               "qlora": AdapterSpec.make(16, quantization="nf4").for_sharding(args.sharding)}[args.adapter]
     setting = Setting(client=args.client, gradient_checkpointing=args.checkpointing, adapter=adapter,
                       sharding=None if args.client == "loop" else args.sharding, deepspeed=args.deepspeed,
                       hyperparameters=Hyperparameters.from_text(args.hyperparameters),
@@ -69,7 +70,7 @@ def measure_rank(args) -> dict:
         row.update(loop_point(record, args.precision, layout, args.batch, args.seq, device, local_rank,
                               args.checkpointing))
     else:
-        model, built = model_on_host(record, setting, args.precision, device, args.batch)
+        model, built = model_on_host(record, setting, args.precision, device, args.batch, rank)
         row.update(built, step_flops=6.0 * built["parameters"] * args.batch * args.seq)
         row.update(context_columns(device))
         host_before = resident_bytes()
@@ -85,12 +86,21 @@ def measure_rank(args) -> dict:
     return {**finish_row(row), **extra}
 
 
-def model_on_host(record, setting, precision: str, device: str, batch: int):
+def model_on_host(record, setting, precision: str, device: str, batch: int, rank: int = 0):
     """The point's model (with its adapters where the client does not wrap them) built with random weights on
     the GPU, then moved to the CPU; the allocator emptied and its peaks reset, as in a fresh process. Under
     zero3 it is built as a script builds it after its training arguments (`training.zero.zero3_init`): each
-    parameter partitioned on the GPU as it is made, where it stays."""
+    parameter partitioned on the GPU as it is made, where it stays. A 4-bit base is loaded on each rank's GPU as
+    `from_pretrained` loads it there (bitsandbytes' loader), where it stays; only the peaks are reset."""
     import torch
+
+    if setting.adapter is not None and setting.adapter.quantization:
+        shared_saved_base(record, rank)
+        model, built = build_point_model(record, setting, precision, "default", device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        return model, built
 
     if setting.sharding == "zero3":
         from pipeline.training.zero import zero3_init
@@ -109,6 +119,21 @@ def model_on_host(record, setting, precision: str, device: str, batch: int):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return model, built
+
+
+def shared_saved_base(record, rank: int, poll_seconds: float = 2.0) -> None:
+    """The random init a 4-bit base is loaded from (`training.adapters.saved_base`), saved once by rank 0 while
+    the other ranks wait for it to be complete."""
+    import time
+
+    from pipeline.training.adapters import saved_base, saved_base_folder
+
+    config = record.transformers_config()
+    if rank == 0:
+        saved_base(config, record.model_id)
+        return
+    while not (saved_base_folder(config, record.model_id) / "complete").exists():
+        time.sleep(poll_seconds)
 
 
 def resident_bytes() -> int | None:

@@ -93,7 +93,7 @@ def sharded_client_peak(config, run: Run) -> Estimate:
             deepspeed_world(run, tracker) as host:
         with refusals_are_crashes():
             with zero_init(run, trace):
-                model = host_model(config, run)
+                model = host_model(config, run, trace)
             with trace.rules, tracker, tracker.placed(host=True):  # the trainer's __init__ (DDP moves the model)
                 trainer = trainer_of(model, run, trace)
         step_run = run_class(run.client)(trainer, run.seq, run.precision, run.checkpointing, "meta")
@@ -130,8 +130,8 @@ def zero_init(run: Run, trace):
     """Where the model is built: on the host, or under zero3 as `from_pretrained` builds it once the training
     arguments name a ZeRO-3 config (transformers' `HfDeepSpeedConfig` in force: `deepspeed.zero.Init`), each
     parameter partitioned on the GPU as it is made, counted."""
-    if run.sharding != "zero3":
-        yield
+    if run.sharding != "zero3" or (run.adapter is not None and run.adapter.quantization):
+        yield  # transformers builds a quantized model without zero.Init; deepspeed.initialize partitions it
         return
     from pipeline.simulate.distributed.zero import zero3_build
 
@@ -147,9 +147,6 @@ def check_sharded_client(run: Run) -> None:
                         "ddp, fsdp and fsdp-no-reshard")
     if precision_mode(run.precision).scaler:
         raise UserError("amp-fp16 (a gradient scaler over sharded gradients) is not simulated on several GPUs yet")
-    if run.sharding in ("fsdp", "fsdp-no-reshard") and run.adapter is not None and run.adapter.quantization:
-        raise UserError("QLoRA under FSDP2 is not simulated yet (accelerate leaves 4-bit weights out of the "
-                        "sharding); ddp is")
     if run.sharding != "ddp" and run.liger_kernel:
         raise UserError("Liger's kernels under FSDP2 and ZeRO are not simulated yet; ddp is")
     if run.deepspeed is not None:
@@ -158,25 +155,32 @@ def check_sharded_client(run: Run) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise UserError("sharding zero1-3 runs DeepSpeed's code, which is not installed here "
                             "(pip install -e \".[deepspeed]\")")
-        if run.adapter is not None and run.adapter.quantization:
-            raise UserError("QLoRA under DeepSpeed's ZeRO is not simulated yet; ddp is")
 
 
-def host_model(config, run: Run):
-    """The model the client is given, on the host (built on meta, not counted): the base for SFTTrainer and
-    DPOTrainer (they wrap the adapters themselves), the PeftModel for the Trainer."""
-    from pipeline.simulate.adapters import fresh_adapter_model, fresh_base_model
+def host_model(config, run: Run, trace):
+    """The model the client is given, as the script has it: on the host (built on meta, not counted) the base for
+    SFTTrainer and DPOTrainer (they wrap the adapters themselves), the PeftModel for the Trainer; a 4-bit base on
+    the GPU, counted, as `from_pretrained` loads it on each rank (bitsandbytes' loader puts the whole quantized
+    model on the rank's GPU; the sharding comes after), stored as the sharding needs (`AdapterSpec.for_sharding`)."""
+    from pipeline.simulate.adapters import fresh_adapter_model, fresh_base_model, loaded_from_checkpoint
     from pipeline.simulate.predict import config_key, meta_attention
+    from pipeline.training.adapters import apply_adapters
 
     key, attention = config_key(config), meta_attention(run.attn_implementation)
-    quantization = run.adapter.quantization if run.adapter else None
-    if run.client == "trainer" and run.adapter is not None:
+    adapter = run.adapter.for_sharding(run.sharding) if run.adapter else None
+    if adapter is not None and adapter.quantization:
+        skeleton = fresh_base_model(key, run.precision, attention, adapter.quantization, adapter.quant_storage)
+        if run.client == "trainer":
+            return trace.record(lambda: apply_adapters(loaded_from_checkpoint(skeleton, trace.tracker), adapter,
+                                                       run.checkpointing))
+        return trace.record(lambda: loaded_from_checkpoint(skeleton, trace.tracker))
+    if run.client == "trainer" and adapter is not None:
         if run.sharding == "zero3":  # built under zero.Init: a copy of a cached model would not be partitioned
             from pipeline.simulate.adapters import cached_adapter_model
 
-            return cached_adapter_model.__wrapped__(key, run.precision, attention, run.adapter, run.checkpointing)
-        return fresh_adapter_model(key, run.precision, attention, run.adapter, run.checkpointing)
-    return fresh_base_model(key, run.precision, attention, quantization)
+            return cached_adapter_model.__wrapped__(key, run.precision, attention, adapter, run.checkpointing)
+        return fresh_adapter_model(key, run.precision, attention, adapter, run.checkpointing)
+    return fresh_base_model(key, run.precision, attention, None)
 
 
 def trainer_of(model, run: Run, trace):
