@@ -208,8 +208,9 @@ def test_bad_packings_are_one_line_refusals(tmp_path, packings, clients, message
 
 def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
     """The GPU measurement path for real on the CPU: torchrun with 2 gloo ranks, a tiny llama: the loop under ddp
-    and fsdp, SFTTrainer with LoRA under DDP and with packed batches under FSDP2, GRPOTrainer with a reference model
-    under FSDP2; one ok row per rank with its num_gpus, sharding and rank (CUDA peaks are empty on the CPU)."""
+    and fsdp, SFTTrainer with LoRA under DDP, with packed batches under FSDP2 and with QLoRA under FSDP2 (the saved
+    random init quantized by bitsandbytes on each rank), GRPOTrainer with a reference model under FSDP2; one ok row
+    per rank with its num_gpus, sharding and rank (CUDA peaks are empty on the CPU)."""
     import json
     import os
     import subprocess
@@ -222,6 +223,7 @@ def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
                     "  - {clients: [loop], shardings: [ddp, fsdp]}\n"
                     "  - {clients: [sft], shardings: [ddp], adapters: [lora]}\n"
                     "  - {clients: [sft], shardings: [fsdp], packings: [{packing: true}]}\n"
+                    "  - {clients: [sft], shardings: [fsdp], adapters: [qlora]}\n"
                     "  - {clients: [grpo], shardings: [fsdp], rollouts: [{num_generations: 2, max_completion_length: 4,"
                     " beta: 0.04}]}\n")
     config = tmp_path / "config.json"
@@ -239,8 +241,12 @@ def test_measure_distributed_runs_torchrun_on_the_cpu(tmp_path):
     assert set(rows["status"]) == {"ok"}, rows["reason"].tolist()
     assert sorted(zip(rows["client"], rows["sharding"], rows["rank"])) == [
         ("grpo", "fsdp", 0), ("grpo", "fsdp", 1), ("loop", "ddp", 0), ("loop", "ddp", 1), ("loop", "fsdp", 0),
-        ("loop", "fsdp", 1), ("sft", "ddp", 0), ("sft", "ddp", 1), ("sft", "fsdp", 0), ("sft", "fsdp", 1)]
-    packed = rows[rows["client"] == "sft"].set_index("sharding")["packing"]
+        ("loop", "fsdp", 1), ("sft", "ddp", 0), ("sft", "ddp", 1), ("sft", "fsdp", 0), ("sft", "fsdp", 0),
+        ("sft", "fsdp", 1), ("sft", "fsdp", 1)]
+    qlora = rows[rows["quantization"].notna()]
+    assert set(qlora["quantization"]) == {"nf4"} and set(qlora["sharding"]) == {"fsdp"} and len(qlora) == 2
+    assert set(qlora["lora_r"]) == {16} and set(qlora["trainable_parameters"]) == {16_384}
+    packed = rows[(rows["client"] == "sft") & rows["quantization"].isna()].set_index("sharding")["packing"]
     assert set(packed["fsdp"]) == {'{"packing": true, "padding_free": true}'} and packed["ddp"].isna().all()
     grpo = rows[rows["client"] == "grpo"]
     assert set(grpo["rollout"]) == {'{"beta": 0.04, "max_completion_length": 4, "num_generations": 2, "use_cache": true}'}

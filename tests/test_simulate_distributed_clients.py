@@ -5,6 +5,7 @@ measured row of the committed tables, its peak asserted to the bytes the GPU rep
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -94,8 +95,6 @@ def test_fsdp_under_accelerate_keeps_fp32_shards_of_a_bf16_model():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(client="trainer", sharding="hsdp", shard_group=2, num_gpus=4), "is simulated for the loop client"),
-    (dict(client="sft", sharding="fsdp", num_gpus=2, adapter=AdapterSpec.make(8, quantization="nf4")),
-     "QLoRA under FSDP2 is not simulated"),
     (dict(client="trainer", sharding="fsdp", num_gpus=2, precision="amp-fp16"), "amp-fp16"),
     (dict(client="trainer", sharding="fsdp", num_gpus=2, precision="mp-bf16"), "FSDP2's mixed precision of the loop"),
 ])
@@ -108,3 +107,34 @@ def test_what_the_wing_does_not_run_is_one_line(kwargs, message):
     precision = kwargs.pop("precision", "bf16-autocast")
     with pytest.raises(UserError, match=message):
         simulate(TINY_LLAMA, Run(2, 16, precision, **kwargs))
+
+
+def test_qlora_shards_its_packed_weights_under_fsdp2_and_zero3():
+    """QLoRA across GPUs (issue 36): the nf4 base is stored in bfloat16 under FSDP2 and ZeRO-3 (as the FSDP + QLoRA
+    recipes load it), so its packed weights shard: a rank of 2 holds half of them, and every rank the whole quant
+    states; under DDP each rank holds the whole 4-bit model. Each rank loads the whole 4-bit model first."""
+    import torch
+
+    from bitsandbytes.nn import Params4bit
+
+    from pipeline.simulate import simulate
+    from pipeline.simulate.adapters import fresh_base_model
+
+    from conftest import TINY_LLAMA
+
+    config = {**TINY_LLAMA, "torch_dtype": "bfloat16"}
+    base = fresh_base_model(json.dumps(config), "bf16-autocast", None, "nf4", "bfloat16")
+    packed = [p for p in base.parameters() if isinstance(p, Params4bit)]
+    assert len(packed) == 14 and {p.dtype for p in packed} == {torch.bfloat16}
+    assert [p.numel() for p in packed[:4]] == [64 * 64 // 4, 32 * 64 // 4, 32 * 64 // 4, 64 * 64 // 4]  # q k v o
+    packed_bytes = sum(p.numel() * p.element_size() for p in packed)
+
+    def parameters(sharding):
+        run = Run(2, 16, "bf16-autocast", client="sft", num_gpus=2, sharding=sharding,
+                  adapter=AdapterSpec.make(8, quantization="nf4"))
+        return simulate(config, run).components["parameters"]
+
+    ddp, fsdp, zero3 = parameters("ddp"), parameters("fsdp"), parameters("zero3")
+    assert ddp - fsdp >= packed_bytes // 2  # half the packed weights, and half the embeddings, off each rank
+    assert ddp - zero3 >= packed_bytes // 2
+    assert fsdp < 0.6 * ddp and zero3 < 0.6 * ddp

@@ -82,6 +82,9 @@ SETTINGS_TABLES = {
     "results/packing_heldout/h200/peak_memory.parquet": "held-out",
     # config/sweep_packing_distributed_heldout.yaml: packed SFT under DDP, FSDP2 and ZeRO-3 on 2 GPUs
     "results/packing_distributed_heldout/h200/peak_memory.parquet": "held-out",
+    # config/sweep_qlora_distributed_heldout.yaml: QLoRA across GPUs (issue 36): SFTTrainer on an nf4 base under
+    # FSDP2, ZeRO-3 and DDP on 2 and 4 GPUs
+    "results/qlora_distributed_heldout/h200/peak_memory.parquet": "held-out",
 }
 SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
 SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"

@@ -214,11 +214,21 @@ class ExactEstimator(Estimator):
             **({key: simulated.details[key] for key in ("phase_peaks", "step_peaks")}
                if run.client in ROLLOUT_CLIENTS else {}),
             "notes": [f"simulated by pipeline.simulate.{simulator} (reserved: the caching allocator's "
-                      "segments replayed)"],
+                      "segments replayed)", *qlora_sharding_notes(run)],
             # ZeRO-Offload: the host memory per process (not in the GPU's verdict)
             **({"host_peak_bytes": simulated.details["host_peak_bytes"]}
                if "host_peak_bytes" in simulated.details else {})}, simulated.reserved_bytes,
             simulated.reserved_expandable_bytes)
+
+
+def qlora_sharding_notes(run: Run) -> list[str]:
+    """What a QLoRA answer under FSDP or ZeRO-3 assumes of the 4-bit base."""
+    if run.adapter is None or run.adapter.for_sharding(run.sharding) is run.adapter:
+        return []
+    return ["the 4-bit base is stored in bfloat16 (bnb_4bit_quant_storage), as FSDP + QLoRA recipes load it, so "
+            "that its packed weights shard; each rank first loads the whole 4-bit model on its GPU (the setup "
+            "holds it), and keeps its quantization constants whole. Stored as uint8 (bitsandbytes' default), "
+            "FSDP2 leaves the 4-bit weights whole on every rank"]
 
 
 class FormulaEstimator(FittedEstimator):

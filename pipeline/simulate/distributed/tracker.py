@@ -43,7 +43,17 @@ def host_copy_stand_ins() -> dict:
             return destination
         return func(*args, **kwargs)
 
-    return {aten.copy_.default: copy_}
+    return {aten.copy_.default: copy_, **collective_wrap_stand_ins()}
+
+
+def collective_wrap_stand_ins() -> dict:
+    """`_c10d_functional._wrap_tensor_autograd` (torch 2.12 on: a functional collective's result, `full_tensor()`'s
+    among them, wrapped for autograd) returns its input wrapped, the same storage; its meta kernel makes a new tensor
+    (`empty_like`), which would count the gathered tensor twice: a view of the input stands in for it."""
+    wrap = getattr(torch.ops._c10d_functional, "_wrap_tensor_autograd", None)
+    if wrap is None:
+        return {}
+    return {wrap.default: lambda func, args, kwargs: torch.ops.aten.alias.default(args[0])}
 
 
 class SubclassAwareCache:
