@@ -224,7 +224,7 @@ def test_no_model_anywhere_is_one_line(tmp_path, capsys):
     assert main(["estimate", "--seq", "64", "--method", "formula"]) == 2
     assert "give one of --model, --config and --params" in capsys.readouterr().err
     assert main(["estimate", "--sft-config", str(path), "--method", "formula"]) == 2
-    assert "give exactly one of model, config and params" in capsys.readouterr().err
+    assert "sft config: no model_name_or_path (the file names no model; give --model)" in capsys.readouterr().err
 
 
 def test_the_fit_gives_bf16_autocast_a_group_of_its_own_once_measured():

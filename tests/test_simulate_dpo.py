@@ -113,5 +113,7 @@ def test_estimate_answers_dpo_by_the_exact_method_only(capsys):
     with pytest.raises(UserError, match="client dpo is estimated by the exact method only"):
         estimate(config=TINY_LLAMA, batch=1, seq=16, client="dpo", method="formula", weights_dtype="bf16")
     assert main(["estimate", "--params", "1000000", "--batch", "1", "--seq", "16", "--client", "dpo",
-                 "--precision", "bf16-autocast"]) == 2
+                 "--precision", "bf16-autocast", "--method", "heuristic"]) == 2
     assert "exact method only" in capsys.readouterr().err
+    unnamed = estimate(config=TINY_LLAMA, batch=1, seq=16, client="dpo", weights_dtype="bf16")  # no method: exact
+    assert unnamed["method"] == "exact" and unnamed["peak_bytes"] == result["peak_bytes"]

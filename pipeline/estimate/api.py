@@ -235,7 +235,9 @@ def model_of_file(model, config, params, options: dict) -> tuple:
     named = read_training_file(None, files["sft_config"], files["grpo_config"], files["axolotl_config"],
                                files["llamafactory_config"], options.get("client"))["model"]
     key = "base_model" if kind == "axolotl_config" else "model_name_or_path"
-    return named, ([f"{kind.replace('_', ' ')}: the model is its {key}, {named}"] if named else [])
+    if named is None:
+        raise UserError(f"{kind.replace('_', ' ')}: no {key} (the file names no model; give --model)")
+    return named, [f"{kind.replace('_', ' ')}: the model is its {key}, {named}"]
 
 
 RUN_OPTIONS = ("alloc_conf", "batch", "seq", "precision", "optimizer", "checkpointing", "attn_implementation",
@@ -272,9 +274,9 @@ def prepared(what: dict, options: dict, method, coefficients, dev: Device | None
 
 def default_method(run: Run) -> str:
     """The method of a question that names none: exact for DeepSpeed's ZeRO (it runs DeepSpeed's code; the
-    closed forms refuse it), the online RL clients and packed batches (whose attention mask the closed forms do not
-    know), else the heuristic."""
-    return "exact" if run.deepspeed is not None or run.client in ROLLOUT_CLIENTS or run.packing is not None \
+    closed forms refuse it), DPO and the online RL clients (which the closed forms refuse too) and packed batches
+    (whose attention mask the closed forms do not know), else the heuristic."""
+    return "exact" if run.deepspeed is not None or run.client in ("dpo", *ROLLOUT_CLIENTS) or run.packing is not None \
         else "heuristic"
 
 

@@ -93,7 +93,8 @@ def add_cli(subparsers) -> None:
                         help="a DeepSpeed config (as the Trainer's --deepspeed takes it): its ZeRO stage is the "
                              "sharding (zero1, zero2, zero3), with --num-gpus; answered by the exact method")
     parser.add_argument("--method", choices=METHODS, default=None,
-                        help="default: heuristic, or exact for DeepSpeed (--deepspeed, --sharding zero1-3)")
+                        help="default: heuristic, or exact for DeepSpeed (--deepspeed, --sharding zero1-3), dpo, "
+                             "grpo, rloo and packed batches")
     parser.add_argument("--coefficients", default=None, help=f"coefficient file (default {COEFFICIENTS})")
     gpu = parser.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", default=None, metavar="NAME", help=f"the GPU, one of: {', '.join(DEVICES)}")

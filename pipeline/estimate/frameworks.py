@@ -13,6 +13,8 @@ pt stage's default) fills every row: it is answered as the full rows it makes, w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pipeline.core.errors import UserError
 from pipeline.core.text import short
 
@@ -76,6 +78,9 @@ def read_axolotl_config(source) -> dict:
     notes = attention_notes(args, label)
     if args.get("sample_packing"):
         notes.append(packing_note(label, "sample_packing", "micro_batch_size", "sequence_len"))
+    if args.get("micro_batch_size") is None:  # Axolotl's schema default
+        args = {**args, "micro_batch_size": 1}
+        notes.append(f"{label}: micro_batch_size not set: Axolotl's default, 1")
     settings = framework_settings(
         args, label, client=client, model=args.get("base_model"), batch_key="micro_batch_size",
         seq=args.get("sequence_len", 2048), seq_key="sequence_len", adapter=adapter,
@@ -100,7 +105,7 @@ def read_axolotl_config(source) -> dict:
     fsdp_text = " ".join(map(str, fsdp_list)) if isinstance(fsdp_list, list) else fsdp_list
     with_fsdp(settings, {"fsdp": (fsdp_text or "full_shard auto_wrap") if fsdp else None,
                          "fsdp_config": fsdp_config(config),
-                         "deepspeed": args.get("deepspeed")}, label)
+                         "deepspeed": from_repository_root(args.get("deepspeed"), source)}, label)
     return settings
 
 
@@ -155,8 +160,20 @@ def read_llamafactory_config(source) -> dict:
     from pipeline.estimate.training_args import with_fsdp
 
     with_fsdp(settings, {"fsdp": args.get("fsdp"), "fsdp_config": args.get("fsdp_config"),
-                         "deepspeed": args.get("deepspeed")}, label)
+                         "deepspeed": from_repository_root(args.get("deepspeed"), source)}, label)
     return settings
+
+
+def from_repository_root(path, source):
+    """A file a framework's config names (its DeepSpeed config): as given when it exists from the working directory,
+    else from the nearest folder above the config file that holds it (the frameworks resolve it from their
+    repository's root, `examples/deepspeed/ds_z3_config.json`, where their example configs sit below)."""
+    if not isinstance(path, str) or not isinstance(source, (str, Path)) or Path(path).is_absolute() or Path(path).exists():
+        return path
+    for folder in Path(source).resolve().parents:
+        if (folder / path).is_file():
+            return str(folder / path)
+    return path
 
 
 def packing_note(label: str, key: str, batch_key: str, seq_key: str) -> str:

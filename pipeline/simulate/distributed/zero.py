@@ -61,6 +61,8 @@ def meta_accelerator(tracker):
         def query(self):
             return True
 
+    default = MetaStream()  # CUDA's default stream, as DeepSpeed holds it (overlap_comm false reduces on it)
+
     class MetaAccelerator(CPU_Accelerator):
         def __init__(self):
             super().__init__()
@@ -89,13 +91,15 @@ def meta_accelerator(tracker):
             return torch.cpu.Event()
 
         def stream(self, stream):
-            return torch.cpu.stream(stream) if stream is not None else contextlib.nullcontext()
+            if stream is None:
+                return contextlib.nullcontext()
+            return torch.cpu.stream(torch.cpu._default_cpu_stream if stream is default else stream)
 
         def current_stream(self, device_index=None):
             return torch.cpu.current_stream()
 
         def default_stream(self, device_index=None):
-            return torch.cpu._default_cpu_stream
+            return default
 
         def empty_cache(self):
             tracker.empty_cache()
