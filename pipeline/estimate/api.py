@@ -107,6 +107,7 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
         given["checkpointing"] = trl and SFT_DEFAULT_CHECKPOINTING  # TRL's configs checkpoint
     if not isinstance(given["checkpointing"], bool):
         raise UserError(f"checkpointing must be true or false, not {given['checkpointing']!r}")
+    attn_implementation = attn_implementation or from_file.get("attn_implementation")
     run = Run(given["batch"], given["seq"], given["precision"], optimizer, given["checkpointing"], attn_implementation,
               expandable_segments, client, given["optim"],
               1 if given["gradient_accumulation"] is None else given["gradient_accumulation"],

@@ -57,6 +57,7 @@ def read_axolotl_config(source) -> dict:
         "sequence_parallel_degree": "sequence parallelism is not simulated",
         "tensor_parallel_size": "Axolotl's tensor parallelism is not simulated",
         "context_parallel_size": "context parallelism is not simulated",
+        "qat": "quantization-aware training (qat) is not simulated",
     })
     config = typed(args, "fsdp_config", dict, label, {})
     fsdp_list = typed(args, "fsdp", (list, str), label)
@@ -75,7 +76,7 @@ def read_axolotl_config(source) -> dict:
     if client is None:
         raise UserError(f"{label}: rl {short(rl)} is not simulated (dpo and grpo are)")
     adapter = axolotl_adapter(args, label)
-    notes = attention_notes(args, label)
+    notes = attention_notes(args, label) + dropout_notes(args, label)
     if args.get("sample_packing"):
         notes.append(packing_note(label, "sample_packing", "micro_batch_size", "sequence_len"))
     if args.get("micro_batch_size") is None:  # Axolotl's schema default
@@ -90,6 +91,8 @@ def read_axolotl_config(source) -> dict:
                   "warmup_steps": args.get("warmup_steps", args.get("warmup_ratio")),
                   "max_steps": args.get("max_steps"), "lr_scheduler_type": args.get("lr_scheduler"),
                   "max_grad_norm": args.get("max_grad_norm")})
+    if args.get("attn_implementation") == "eager":
+        settings["attn_implementation"] = "eager"
     if client == "grpo":
         from pipeline.estimate.sft_config import ROLLOUT_KEYS
 
@@ -144,6 +147,7 @@ def read_llamafactory_config(source) -> dict:
         notes.append(packing_note(label, "packing" if packing else "neat_packing" if args.get("neat_packing") else
                                   "stage pt (packed by default)",
                                   "per_device_train_batch_size", "cutoff_len"))
+    notes += dropout_notes(args, label)
     if args.get("flash_attn") == "fa2":
         notes.append(f"{label}: flash_attn fa2 is answered with torch's SDPA flash path (the same saved tensors)")
     settings = framework_settings(
@@ -162,6 +166,15 @@ def read_llamafactory_config(source) -> dict:
     with_fsdp(settings, {"fsdp": args.get("fsdp"), "fsdp_config": args.get("fsdp_config"),
                          "deepspeed": from_repository_root(args.get("deepspeed"), source)}, label)
     return settings
+
+
+def dropout_notes(args: dict, label: str, key: str = "lora_dropout") -> list:
+    """LoRA dropout, named: PEFT's dropout makes each adapted layer's input anew (and its mask) for the adapter."""
+    value = args.get(key)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return [f"{label}: {key} {value} is not modelled (PEFT's dropout copies each adapted layer's input for its "
+                "adapter: more saved activations than answered)"]
+    return []
 
 
 def from_repository_root(path, source):
@@ -219,13 +232,31 @@ def refuse(args: dict, label: str, keys: dict) -> None:
 
 
 def attention_notes(args: dict, label: str) -> list:
+    notes = implementation_notes(args, label)
     for key, name in AXOLOTL_ATTENTION.items():
         if args.get(key) and name is not None:
             if key != "flash_attention":
                 raise UserError(f"{label}: {key} ({name}) is not simulated")
             return [f"{label}: flash_attention ({name}) is answered with torch's SDPA flash path (the same saved "
                     "tensors)"]
-    return []
+    return notes
+
+
+FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "vllm-flash-attn3",
+                         "kernels-community/flash-attn", "kernels-community/vllm-flash-attn3")
+
+
+def implementation_notes(args: dict, label: str) -> list:
+    """Axolotl's attn_implementation (transformers' name): sdpa as the simulator runs it, flash attention answered
+    with SDPA's flash path, eager read by `attention_setting`, the others refused."""
+    name = typed(args, "attn_implementation", str, label)
+    if name in (None, "sdpa", "eager"):
+        return []
+    if name in FLASH_IMPLEMENTATIONS:
+        return [f"{label}: attn_implementation {name} is answered with torch's SDPA flash path (the same saved "
+                "tensors)"]
+    raise UserError(f"{label}: attn_implementation {short(name)} is not simulated (sdpa, eager and flash attention "
+                    "are)")
 
 
 def axolotl_adapter(args: dict, label: str):

@@ -52,7 +52,8 @@ def normalise_targets(targets) -> str:
 # and its options that must be JSON booleans.
 PEFT_UNMODELLED = {"use_dora": "DoRA (use_dora)", "modules_to_save": "modules_to_save (fully trained modules)",
                    "bias": "trained biases (bias)", "layers_to_transform": "layers_to_transform",
-                   "rank_pattern": "per-module ranks (rank_pattern)"}
+                   "rank_pattern": "per-module ranks (rank_pattern)",
+                   "lora_dropout": "LoRA dropout (lora_dropout: a copy of each adapted layer's input)"}
 PEFT_FLAGS = ("use_dora", "use_rslora", "fan_in_fan_out", "inference_mode")
 
 
