@@ -183,8 +183,8 @@ def test_grpo_on_four_gpus_quotes_the_sharded_points():
 
 def test_qlora_across_gpus_quotes_its_measured_points():
     """QLoRA across GPUs (issue 36): an SFT QLoRA question under FSDP2 quotes the FSDP2 ranks measured on 2 and 4
-    H200s (three points, eight ranks), under ZeRO-3 its six, every verdict right and the exact peak within 0.1%."""
-    for sharding, ranks in (("fsdp", 8), ("zero3", 6), ("ddp", 2)):
+    H200s (four points, ten ranks), under ZeRO-3 its six, every verdict right and the exact peak within 0.1%."""
+    for sharding, ranks in (("fsdp", 10), ("zero3", 6), ("ddp", 2), ("fsdp-no-reshard", 2)):
         found = setting_accuracy({"client": "sft", "precision": "bf16-autocast", "num_gpus": 2, "sharding": sharding,
                                   "lora_r": 16, "quantization": "nf4"})
         exact = found["methods"]["exact"]

@@ -95,6 +95,8 @@ def test_fsdp_under_accelerate_keeps_fp32_shards_of_a_bf16_model():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(client="trainer", sharding="hsdp", shard_group=2, num_gpus=4), "is simulated for the loop client"),
+    (dict(client="sft", sharding="fsdp", num_gpus=2, adapter=AdapterSpec.make(8, quantization="int8")),
+     "does not model 8-bit \\(int8\\) bases yet"),
     (dict(client="trainer", sharding="fsdp", num_gpus=2, precision="amp-fp16"), "amp-fp16"),
     (dict(client="trainer", sharding="fsdp", num_gpus=2, precision="mp-bf16"), "FSDP2's mixed precision of the loop"),
 ])
@@ -137,4 +139,5 @@ def test_qlora_shards_its_packed_weights_under_fsdp2_and_zero3():
     ddp, fsdp, zero3 = parameters("ddp"), parameters("fsdp"), parameters("zero3")
     assert ddp - fsdp >= packed_bytes // 2  # half the packed weights, and half the embeddings, off each rank
     assert ddp - zero3 >= packed_bytes // 2
+    assert fsdp >= packed_bytes // 2 and zero3 >= packed_bytes // 2  # each rank's half, counted as parameters
     assert fsdp < 0.6 * ddp and zero3 < 0.6 * ddp

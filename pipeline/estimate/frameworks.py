@@ -61,8 +61,10 @@ def read_axolotl_config(source) -> dict:
     })
     config = typed(args, "fsdp_config", dict, label, {})
     fsdp_list = typed(args, "fsdp", (list, str), label)
-    if config.get("fsdp_offload_params") or config.get("offload_params") or "offload" in str(fsdp_list or ""):
-        raise UserError(f"{label}: fsdp_offload_params (FSDP's CPU offload) is not simulated yet")
+    offload = next((f"fsdp_config.{key}" for key in ("fsdp_offload_params", "offload_params") if config.get(key)),
+                   "fsdp: offload" if "offload" in str(fsdp_list or "") else None)
+    if offload:
+        raise UserError(f"{label}: {offload} (FSDP's CPU offload) is not simulated yet")
     if args.get("gradient_checkpointing") == "offload":
         raise UserError(f"{label}: gradient_checkpointing: offload (activations on the host) is not simulated")
     plugins = [p for p in (args.get("plugins") or []) if "liger" not in str(p).lower()]
@@ -76,7 +78,7 @@ def read_axolotl_config(source) -> dict:
     if client is None:
         raise UserError(f"{label}: rl {short(rl)} is not simulated (dpo and grpo are)")
     adapter = axolotl_adapter(args, label)
-    notes = attention_notes(args, label) + dropout_notes(args, label)
+    notes = attention_notes(args, label) + dropout_notes(args, label, adapter)
     if args.get("sample_packing"):
         notes.append(packing_note(label, "sample_packing", "micro_batch_size", "sequence_len"))
     if args.get("micro_batch_size") is None:  # Axolotl's schema default
@@ -147,7 +149,7 @@ def read_llamafactory_config(source) -> dict:
         notes.append(packing_note(label, "packing" if packing else "neat_packing" if args.get("neat_packing") else
                                   "stage pt (packed by default)",
                                   "per_device_train_batch_size", "cutoff_len"))
-    notes += dropout_notes(args, label)
+    notes += dropout_notes(args, label, adapter)
     if args.get("flash_attn") == "fa2":
         notes.append(f"{label}: flash_attn fa2 is answered with torch's SDPA flash path (the same saved tensors)")
     settings = framework_settings(
@@ -168,25 +170,29 @@ def read_llamafactory_config(source) -> dict:
     return settings
 
 
-def dropout_notes(args: dict, label: str, key: str = "lora_dropout") -> list:
-    """LoRA dropout, named: PEFT's dropout makes each adapted layer's input anew (and its mask) for the adapter."""
-    value = args.get(key)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return [f"{label}: {key} {value} is not modelled (PEFT's dropout copies each adapted layer's input for its "
-                "adapter: more saved activations than answered)"]
-    return []
+def dropout_notes(args: dict, label: str, adapter) -> list:
+    """LoRA dropout, named (`PEFT_UNMODELLED`): PEFT's dropout makes each adapted layer's input anew for its adapter."""
+    from pipeline.training.adapters import PEFT_UNMODELLED
+
+    value = args.get("lora_dropout")
+    if adapter is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        return []
+    return [f"{label}: {PEFT_UNMODELLED['lora_dropout']} {value} is not modelled (PEFT's dropout copies each adapted "
+            "layer's input: more saved activations than answered)"]
 
 
 def from_repository_root(path, source):
     """A file a framework's config names (its DeepSpeed config): as given when it exists from the working directory,
     else from the nearest folder above the config file that holds it (the frameworks resolve it from their
     repository's root, `examples/deepspeed/ds_z3_config.json`, where their example configs sit below)."""
-    if not isinstance(path, str) or not isinstance(source, (str, Path)) or Path(path).is_absolute() or Path(path).exists():
+    try:
+        if not isinstance(path, str) or not isinstance(source, (str, Path)) or Path(path).is_absolute() \
+                or Path(path).exists():
+            return path
+        return next((str(folder / path) for folder in Path(source).resolve().parents if (folder / path).is_file()),
+                    path)
+    except (OSError, ValueError):  # a name the file system refuses: read (and refused) as given
         return path
-    for folder in Path(source).resolve().parents:
-        if (folder / path).is_file():
-            return str(folder / path)
-    return path
 
 
 def packing_note(label: str, key: str, batch_key: str, seq_key: str) -> str:

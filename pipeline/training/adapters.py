@@ -53,7 +53,7 @@ def normalise_targets(targets) -> str:
 PEFT_UNMODELLED = {"use_dora": "DoRA (use_dora)", "modules_to_save": "modules_to_save (fully trained modules)",
                    "bias": "trained biases (bias)", "layers_to_transform": "layers_to_transform",
                    "rank_pattern": "per-module ranks (rank_pattern)",
-                   "lora_dropout": "LoRA dropout (lora_dropout: a copy of each adapted layer's input)"}
+                   "lora_dropout": "LoRA dropout (lora_dropout)"}
 PEFT_FLAGS = ("use_dora", "use_rslora", "fan_in_fan_out", "inference_mode")
 
 
@@ -236,16 +236,25 @@ def saved_base(config, model_id: str) -> Path:
 
     from pipeline.inputs.modeling import build_model, training_config
 
+    import shutil
+
     folder = saved_base_folder(config, model_id)
     if (folder / "complete").exists():
         return folder
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(training_config(config), device=device, dtype=torch.bfloat16)
-    model.save_pretrained(folder)
+    writing = folder.with_name(f"{folder.name}.writing-{os.getpid()}")  # two writers of one model never mix files
+    model.save_pretrained(writing)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
-    (folder / "complete").touch()
+    (writing / "complete").touch()
+    if not (folder / "complete").exists():  # an earlier crashed write, not another writer's finished copy
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        writing.rename(folder)
+    except OSError:  # another process's complete copy got there first
+        shutil.rmtree(writing, ignore_errors=True)
     return folder
 
 

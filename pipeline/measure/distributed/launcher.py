@@ -23,18 +23,16 @@ import time
 from pathlib import Path
 
 from pipeline.core.paths import CONFIGS
-from pipeline.measure.distributed.plan import Group, groups, read_plan, settled_by
+from pipeline.measure.distributed.plan import Group, groups, plan_adapter, read_plan, settled_by
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def adapter_columns(adapter: str) -> dict:
-    """The adapter columns of a plan's adapter (full, lora or qlora: LoRA r=16 on all linear layers, nf4 base)."""
-    from pipeline.training.adapters import AdapterSpec
-
-    if adapter == "full":
-        return {"lora_r": None, "lora_alpha": None, "lora_targets": None, "quantization": None}
-    return AdapterSpec.make(16, quantization="nf4" if adapter == "qlora" else None).columns()
+    """The adapter columns of a plan's adapter (`plan.plan_adapter`)."""
+    spec = plan_adapter(adapter)
+    return spec.columns() if spec is not None else {"lora_r": None, "lora_alpha": None, "lora_targets": None,
+                                                    "quantization": None}
 
 
 def point_key(row: dict) -> tuple:

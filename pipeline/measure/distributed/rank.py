@@ -37,8 +37,8 @@ def measure_rank(args) -> dict:
 
     from pipeline.inputs.records import model_record
     from pipeline.measure.device import setup_device
+    from pipeline.measure.distributed.plan import plan_adapter
     from pipeline.training import memory_history
-    from pipeline.training.adapters import AdapterSpec
     from pipeline.training.hyperparameters import Hyperparameters
     from pipeline.training.layout import Layout
     from pipeline.training.packing import Packing
@@ -54,8 +54,7 @@ def measure_rank(args) -> dict:
     if history:
         memory_history.start()
     record = model_record(None if args.config else args.model, args.config, args.configs)
-    adapter = {"full": None, "lora": AdapterSpec.make(16),
-               "qlora": AdapterSpec.make(16, quantization="nf4").for_sharding(args.sharding)}[args.adapter]
+    adapter = plan_adapter(args.adapter, args.sharding)
     setting = Setting(client=args.client, gradient_checkpointing=args.checkpointing, adapter=adapter,
                       sharding=None if args.client == "loop" else args.sharding, deepspeed=args.deepspeed,
                       hyperparameters=Hyperparameters.from_text(args.hyperparameters),

@@ -141,7 +141,10 @@ def zero_init(run: Run, trace):
 
 def check_sharded_client(run: Run) -> None:
     from pipeline.core.vocabulary import precision_mode
+    from pipeline.simulate.adapters import check_adapter
 
+    if run.adapter is not None:
+        check_adapter(run.adapter, run.variant)
     if run.layout.sharding == "hsdp" or run.layout.tensor_parallel > 1:
         raise UserError(f"{run.layout.describe()} is simulated for the loop client; the {run.client} client runs "
                         "ddp, fsdp and fsdp-no-reshard")

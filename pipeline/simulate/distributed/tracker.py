@@ -50,6 +50,8 @@ def collective_wrap_stand_ins() -> dict:
     """`_c10d_functional._wrap_tensor_autograd` (torch 2.12 on: a functional collective's result, `full_tensor()`'s
     among them, wrapped for autograd) returns its input wrapped, the same storage; its meta kernel makes a new tensor
     (`empty_like`), which would count the gathered tensor twice: a view of the input stands in for it."""
+    import torch.distributed._functional_collectives  # noqa: F401 - registers the op (torch 2.12 on)
+
     wrap = getattr(torch.ops._c10d_functional, "_wrap_tensor_autograd", None)
     if wrap is None:
         return {}

@@ -247,6 +247,10 @@ def retag_states(optimizer, tracker) -> None:
              "optimizer_state": ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"),
              "gradients": ("ipg_buffer", "averaged_gradients", "grad_partitions_flat_buffer",
                            "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer")}
+    for param in getattr(optimizer, "module", None).parameters() if hasattr(optimizer, "module") else ():
+        partition = getattr(param, "ds_tensor", None)  # a frozen weight's partition (a 4-bit base's among them)
+        if torch.is_tensor(partition) and tracker.is_counted(partition):
+            tracker.retag(partition, "parameters")
     for role, names in roles.items():
         for name in names:
             value = getattr(optimizer, name, None)
