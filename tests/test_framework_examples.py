@@ -87,7 +87,9 @@ def test_keys_that_change_memory_are_named(walked):
                                           "lora_target_linear": True, "lora_dropout": 0.05, "sequence_len": 512,
                                           "attn_implementation": "eager"})
     assert run.attn_implementation == "eager" and run.batch == 1  # Axolotl's default micro_batch_size
-    assert default_method(run) == "exact"  # the heuristic's line is SDPA's
+    assert default_method(run) == "exact"  # the heuristic's line is full fine-tuning's with SDPA
+    sdpa, _ = make_run(axolotl_config={"base_model": "Qwen/Qwen2.5-0.5B", "sequence_len": 512})
+    assert default_method(sdpa) == "heuristic"
     assert any("LoRA dropout (lora_dropout) 0.05 is not modelled" in note for note in notes)
     assert any("micro_batch_size not set: Axolotl's default, 1" in note for note in notes)
     flash = [p for p, m in walked["axolotl"].items()

@@ -94,7 +94,7 @@ def add_cli(subparsers) -> None:
                              "sharding (zero1, zero2, zero3), with --num-gpus; answered by the exact method")
     parser.add_argument("--method", choices=METHODS, default=None,
                         help="default: heuristic, or exact for DeepSpeed (--deepspeed, --sharding zero1-3), dpo, "
-                             "grpo, rloo and packed batches")
+                             "grpo, rloo, packed batches, eager attention and LoRA / QLoRA")
     parser.add_argument("--coefficients", default=None, help=f"coefficient file (default {COEFFICIENTS})")
     gpu = parser.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", default=None, metavar="NAME", help=f"the GPU, one of: {', '.join(DEVICES)}")
