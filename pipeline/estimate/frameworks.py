@@ -254,7 +254,7 @@ FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "vllm-flash-a
 
 def implementation_notes(args: dict, label: str) -> list:
     """Axolotl's attn_implementation (transformers' name): sdpa as the simulator runs it, flash attention answered
-    with SDPA's flash path, eager read by `attention_setting`, the others refused."""
+    with SDPA's flash path, eager read into the settings by `read_axolotl_config`, the others refused."""
     name = typed(args, "attn_implementation", str, label)
     if name in (None, "sdpa", "eager"):
         return []

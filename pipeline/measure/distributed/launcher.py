@@ -31,8 +31,7 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 def adapter_columns(adapter: str) -> dict:
     """The adapter columns of a plan's adapter (`plan.plan_adapter`)."""
     spec = plan_adapter(adapter)
-    return spec.columns() if spec is not None else {"lora_r": None, "lora_alpha": None, "lora_targets": None,
-                                                    "quantization": None}
+    return spec.columns() if spec is not None else dict.fromkeys(plan_adapter("lora").columns())
 
 
 def point_key(row: dict) -> tuple:

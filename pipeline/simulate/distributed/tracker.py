@@ -34,7 +34,8 @@ def local_tensor(tensor):
 def host_copy_stand_ins() -> dict:
     """A copy from a meta tensor into a host tensor leaves the host tensor as it was: under the fake
     process group a broadcast from rank 0 gives rank 0 back its own values (DDP syncs its bucket
-    order that way), so the host tensor already holds them."""
+    order that way), so the host tensor already holds them. With the collectives' own stand-ins
+    (`collective_wrap_stand_ins`): every sharded simulation takes both."""
     aten = torch.ops.aten
 
     def copy_(func, args, kwargs):
