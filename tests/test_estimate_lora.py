@@ -43,12 +43,13 @@ def test_exact_lora_estimate_matches_an_h100_row(quantization):
 def test_peft_adapter_config_file(tmp_path):
     from peft import LoraConfig
 
-    LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM").save_pretrained(
-        tmp_path)
+    LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.1,
+               task_type="CAUSAL_LM").save_pretrained(tmp_path)
     config = read_config_records(REPO / "results/configs.json")["Qwen/Qwen2.5-0.5B"]["config"]
     result = estimate(config=config, batch=1, seq=256, precision="bf16", method="formula",
                       coefficients=REPO / "results/coefficients.json", peft_config=tmp_path / "adapter_config.json")
-    assert result["adapter"] == {"lora_r": 8, "lora_alpha": 32, "lora_targets": "q_proj,v_proj", "quantization": None}
+    assert result["adapter"] == {"lora_r": 8, "lora_alpha": 32, "lora_targets": "q_proj,v_proj", "quantization": None,
+                                 "lora_dropout": 0.1}
     # r x (in + out) per layer: q (896 -> 896) and v (896 -> 128), 24 layers; bf16 gradients
     assert result["components"]["gradients"] == 2 * 24 * 8 * ((896 + 896) + (896 + 128))
 

@@ -254,13 +254,13 @@ def prepared(what: dict, options: dict, method, coefficients, dev: Device | None
     """(estimator, target, run limited to `dev`, notes) of the public functions and the command: `what`
     holds model, config, params, active_params (an SFT config's model_name_or_path fills a missing
     model); `options` make_run's options plus the adapter's (lora_r, lora_alpha, lora_targets,
-    quantization, peft_config)."""
+    quantization, peft_config, lora_dropout)."""
     from pipeline.estimate.targets import declared_weights_dtype
 
     what = dict(what)
     what["model"], notes = model_of_file(what["model"], what["config"], what["params"], options)
     adapter = adapter_from_options(*(options.get(k) for k in ("lora_r", "lora_alpha", "lora_targets", "quantization",
-                                                              "peft_config")))
+                                                              "peft_config", "lora_dropout")))
     options = {**options, "rollout": {k: options[k] for k in ROLLOUT_OPTIONS if options.get(k) is not None}}
     run, file_notes = make_run(**{k: options[k] for k in RUN_OPTIONS if k in options}, adapter=adapter,
                                declared_dtype=lambda: declared_weights_dtype(what["model"], what["config"]))
@@ -289,7 +289,7 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
              checkpointing=None, method=None, coefficients=None, gpu=None, gpu_memory_gib=None,
              attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
              gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
-             lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
+             lora_alpha=None, lora_targets=None, lora_dropout=None, quantization=None, peft_config=None, liger_kernel=None,
              completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
              accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
              max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None, vllm_gpu_memory_utilization=None,
@@ -319,7 +319,8 @@ def estimate(model=None, config=None, params=None, *, batch=None, seq=None, prec
     config's dtype, else the model config's dtype / torch_dtype.
 
     LoRA: `lora_r` (rank), `lora_alpha` (default 2r), `lora_targets` ("all-linear" or module names
-    joined by commas), `quantization` (nf4 | int8: QLoRA), or `peft_config` (an adapter_config.json).
+    joined by commas), `lora_dropout` (PEFT's dropout on each adapter's input, default 0), `quantization` (nf4 |
+    int8: QLoRA), or `peft_config` (an adapter_config.json).
 
     Several GPUs: `num_gpus` N and `sharding` ddp | fsdp | fsdp-no-reshard (FSDP2 per decoder layer
     and the root) | hsdp (FSDP2 over `shard_group` S GPUs, replicated across N / S), `tensor_parallel` T (the
@@ -456,7 +457,7 @@ def max_batch_size(model=None, config=None, params=None, *, seq=None, precision=
                    optimizer=None, checkpointing=None, method=None, coefficients=None,
                    attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
                    gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
-                   lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
+                   lora_alpha=None, lora_targets=None, lora_dropout=None, quantization=None, peft_config=None, liger_kernel=None,
                    completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
                    accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
                    max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None,
@@ -474,7 +475,7 @@ def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=N
                 optimizer=None, checkpointing=None, method=None, coefficients=None,
                 attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
                 gradient_accumulation=None, training_args=None, num_gpus=None, sharding=None, lora_r=None,
-                lora_alpha=None, lora_targets=None, quantization=None, peft_config=None, liger_kernel=None,
+                lora_alpha=None, lora_targets=None, lora_dropout=None, quantization=None, peft_config=None, liger_kernel=None,
                 completion_share=None, sft_config=None, weights_dtype=None, shard_group=None, tensor_parallel=None,
                 accelerate_config=None, deepspeed=None, alloc_conf=None, num_generations=None,
                 max_completion_length=None, beta=None, use_vllm=None, vllm_mode=None,
@@ -508,7 +509,7 @@ def layouts(model=None, config=None, params=None, *, batch=None, seq=None, preci
             checkpointing=None, method=None, coefficients=None, gpu=None, gpu_memory_gib=None,
             attn_implementation=None, active_params=None, expandable_segments=False, client=None, optim=None,
             gradient_accumulation=None, training_args=None, num_gpus=None, lora_r=None, lora_alpha=None,
-            lora_targets=None, quantization=None, peft_config=None, liger_kernel=None, completion_share=None,
+            lora_targets=None, lora_dropout=None, quantization=None, peft_config=None, liger_kernel=None, completion_share=None,
             sft_config=None, weights_dtype=None, accelerate_config=None, min_gpus=False, deepspeed=None,
             alloc_conf=None, num_generations=None, max_completion_length=None, beta=None, use_vllm=None,
             vllm_mode=None, vllm_gpu_memory_utilization=None, grpo_config=None, axolotl_config=None,

@@ -240,7 +240,8 @@ class FormulaEstimator(FittedEstimator):
 
     def predict(self, target: Target, run: Run) -> Estimate:
         self.check_client(run)
-        from pipeline.formulas.adapter_terms import activation_precision, lora_saved_bytes_per_token
+        from pipeline.formulas.adapter_terms import (activation_precision, lora_dropout_bytes_per_token,
+                                                     lora_saved_bytes_per_token)
         from pipeline.formulas.features import read_facts, weight_shape
         from pipeline.formulas.peak import closed_form_peak, peak_group, peak_of
         from pipeline.formulas.hook_features import hook_feature_values
@@ -262,6 +263,9 @@ class FormulaEstimator(FittedEstimator):
             spec = run.adapter
             result["components"]["activations"] += run.batch * run.seq * lora_saved_bytes_per_token(
                 facts, spec.targets, run.precision, spec.quantization, run.checkpointing)
+            if spec.dropout:
+                result["components"]["activations"] += run.batch * run.seq * lora_dropout_bytes_per_token(
+                    facts, spec.targets, run.precision, spec.quantization, run.checkpointing, run.client != "sft")
         if run.packing is not None and (run.batch > 1 or len(run.packing.row_documents(run.seq)) > 1):
             from pipeline.formulas.packed_mask import packed_mask_bytes  # one document a step: no mask
 

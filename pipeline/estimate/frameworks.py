@@ -78,7 +78,7 @@ def read_axolotl_config(source) -> dict:
     if client is None:
         raise UserError(f"{label}: rl {short(rl)} is not simulated (dpo and grpo are)")
     adapter = axolotl_adapter(args, label)
-    notes = attention_notes(args, label) + dropout_notes(args, label, adapter)
+    notes = attention_notes(args, label)
     if args.get("sample_packing"):
         notes.append(packing_note(label, "sample_packing", "micro_batch_size", "sequence_len"))
     if args.get("micro_batch_size") is None:  # Axolotl's schema default
@@ -149,7 +149,6 @@ def read_llamafactory_config(source) -> dict:
         notes.append(packing_note(label, "packing" if packing else "neat_packing" if args.get("neat_packing") else
                                   "stage pt (packed by default)",
                                   "per_device_train_batch_size", "cutoff_len"))
-    notes += dropout_notes(args, label, adapter)
     if args.get("flash_attn") == "fa2":
         notes.append(f"{label}: flash_attn fa2 is answered with torch's SDPA flash path (the same saved tensors)")
     settings = framework_settings(
@@ -170,15 +169,15 @@ def read_llamafactory_config(source) -> dict:
     return settings
 
 
-def dropout_notes(args: dict, label: str, adapter) -> list:
-    """LoRA dropout, named (`PEFT_UNMODELLED`): PEFT's dropout makes each adapted layer's input anew for its adapter."""
-    from pipeline.training.adapters import PEFT_UNMODELLED
+def lora_dropout(args: dict, label: str) -> float:
+    """The file's lora_dropout (both frameworks' default: 0, no dropout)."""
+    from pipeline.training.adapters import check_dropout
 
     value = args.get("lora_dropout")
-    if adapter is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        return []
-    return [f"{label}: {PEFT_UNMODELLED['lora_dropout']} {value} is not modelled (PEFT's dropout copies each adapted "
-            "layer's input: more saved activations than answered)"]
+    try:
+        return 0.0 if value is None else check_dropout(value)
+    except UserError as exc:
+        raise UserError(f"{label}: {exc}") from None
 
 
 def from_repository_root(path, source):
@@ -285,7 +284,7 @@ def axolotl_adapter(args: dict, label: str):
                         "otherwise)")
     r = typed(args, "lora_r", int, label, 8)
     return AdapterSpec.make(r, typed(args, "lora_alpha", int, label, r * 2), targets if isinstance(targets, str) else
-                            ",".join(map(str, targets)), quantization)
+                            ",".join(map(str, targets)), quantization, lora_dropout(args, label))
 
 
 def llamafactory_adapter(args: dict, label: str):
@@ -309,7 +308,7 @@ def llamafactory_adapter(args: dict, label: str):
     target = typed(args, "lora_target", str, label, "all")
     r = typed(args, "lora_rank", int, label, 8)
     return AdapterSpec.make(r, typed(args, "lora_alpha", int, label, r * 2), "all-linear" if target == "all" else target,
-                            quantization)
+                            quantization, lora_dropout(args, label))
 
 
 def fsdp_config(config: dict) -> dict | None:

@@ -24,7 +24,7 @@ from pipeline.training.rollout import Rollout
 from pipeline.estimate.training_args import with_fsdp, check_flag, optim_name, positive_int_option
 
 MAX_LENGTH_DEFAULT = 1024  # SFTConfig.max_length (trl 1.16)
-LORA_DEFAULTS = {"lora_r": 16, "lora_alpha": 32}  # ModelConfig (trl 1.16)
+LORA_DEFAULTS = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05}  # ModelConfig (trl 1.16)
 # PEFT's default targets of a LoRA with target_modules None, for llama-style models (q and v projections)
 PEFT_DEFAULT_TARGETS = "q_proj,v_proj"
 FLAGS = ("bf16", "fp16", "gradient_checkpointing", "use_liger_kernel", "use_peft", "load_in_4bit", "load_in_8bit",
@@ -98,7 +98,7 @@ def read_sft_config(source, client: str = "sft") -> dict:
         quantization = "nf4" if args.get("load_in_4bit") else None
         with _located(label):
             adapter = AdapterSpec.make(_lora_int(args, "lora_r", label), _lora_int(args, "lora_alpha", label),
-                                       targets, quantization)
+                                       targets, quantization, args.get("lora_dropout", LORA_DEFAULTS["lora_dropout"]))
     elif args.get("load_in_4bit") or args.get("load_in_8bit"):
         raise UserError(f"{label}: a quantized base (load_in_4bit / load_in_8bit) trains adapters only: set use_peft")
     weights = _weights(args.get("dtype", "float32"), label)

@@ -13,6 +13,8 @@ bitsandbytes themselves (pipeline.simulate.adapters); these are the formulas' ap
   stream is then fp32 (fp32 embeddings and norm weights), and bitsandbytes casts each 4-bit
   matmul's output back to its input's dtype: the activations are fp32 training's
   (`activation_precision`), the logits too.
+- LoRA dropout (`lora_dropout_bytes_per_token`): a mask and, where no cast copied the input before, a copy per
+  targeted linear.
 - SFTTrainer (client sft) never calls `prepare_model_for_kbit_training`: on a 4-bit base the other
   weights stay in the loaded dtype, the activations are the precision's, and it casts the adapters to
   bf16 (`upcast` False).
@@ -23,7 +25,7 @@ from __future__ import annotations
 from pipeline.core.errors import UserError
 from pipeline.formulas.features import Facts, matmul_parameters
 from pipeline.formulas.components import optimizer_bytes
-from pipeline.core.vocabulary import WEIGHT_BYTES
+from pipeline.core.vocabulary import ACTIVATION_BYTES, WEIGHT_BYTES
 
 QUANTIZED_BYTES = {"nf4": 0.5 + 4 / 64, "int8": 1.0}
 # Bytes per element of the copy of a targeted linear's input that LoRA's lora_A saves, by the base's precision.
@@ -79,6 +81,22 @@ def lora_saved_bytes_per_token(facts: Facts, targets: str, precision: str, quant
     added = INPUT_COPY_BYTES[precision] * sum(shapes[name][0] for name in names)
     released = 2 * (2 * facts.hidden + facts.intermediate)
     return (1 if checkpointing else facts.layers) * (added - released)
+
+
+def lora_dropout_bytes_per_token(facts: Facts, targets: str, precision: str, quantization: str | None,
+                                 checkpointing: bool = False, upcast: bool = True) -> float:
+    """What LoRA dropout adds to the saved bytes per token (the formula's term; 0 without dropout).
+
+    PEFT drops each targeted linear's input out anew for its adapter: CUDA's fused dropout keeps a bool
+    mask (1 byte x the input width) for its backward, and lora_A saves the dropped-out tensor. Where the
+    input was cast for lora_A anyway (bf16 bases: to the fp32 adapters; autocast: to its dtype), the
+    saved copy replaces the cast one; where it was not (fp32 and upcast 4-bit bases, SFTTrainer's bf16
+    adapters on a 4-bit base), it is new: the activations' bytes x the input width more."""
+    shapes = linear_shapes(facts)
+    names = list(shapes) if targets == "all-linear" else [n for n in targets.split(",") if n in shapes]
+    copy = ACTIVATION_BYTES[activation_precision(precision, quantization, upcast)] \
+        if quantization or precision == "fp32" else 0
+    return (1 if checkpointing else facts.layers) * (1 + copy) * sum(shapes[name][0] for name in names)
 
 
 def activation_precision(precision: str, quantization: str | None, upcast: bool = True) -> str:

@@ -56,7 +56,7 @@ MAX_YAML_TEXT = 64 << 10
 INTEGERS = ("batch", "seq", "num_gpus", "shard_group", "tensor_parallel", "gradient_accumulation", "lora_r",
             "lora_alpha", "num_generations", "max_completion_length")
 BOOLEANS = ("checkpointing", "expandable_segments", "liger_kernel", "use_vllm", "packing", "padding_free", *SEARCHES)
-NUMBERS = ("gpu_memory_gib", "beta", "vllm_gpu_memory_utilization")
+NUMBERS = ("gpu_memory_gib", "beta", "vllm_gpu_memory_utilization", "lora_dropout")
 ATTENTION = (None, "sdpa", "eager")  # the library's default, or one of torch's own kernels
 
 

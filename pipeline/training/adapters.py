@@ -1,7 +1,8 @@
 """LoRA and QLoRA (docs/definitions.md): what an adapter setting is (`AdapterSpec`), and PEFT's own
 code putting it on a model (`apply_adapters`), for the measurement on a GPU and the simulator alike.
 
-    LoRA:  peft.get_peft_model(model, LoraConfig(r, lora_alpha=2r, target_modules, task_type="CAUSAL_LM"))
+    LoRA:  peft.get_peft_model(model, LoraConfig(r, lora_alpha=2r, target_modules, lora_dropout,
+           task_type="CAUSAL_LM"))
            on a frozen base in the precision's dtype; with checkpointing the base calls
            enable_input_require_grads() first.
     QLoRA: the base loaded with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
@@ -52,15 +53,15 @@ def normalise_targets(targets) -> str:
 # and its options that must be JSON booleans.
 PEFT_UNMODELLED = {"use_dora": "DoRA (use_dora)", "modules_to_save": "modules_to_save (fully trained modules)",
                    "bias": "trained biases (bias)", "layers_to_transform": "layers_to_transform",
-                   "rank_pattern": "per-module ranks (rank_pattern)",
-                   "lora_dropout": "LoRA dropout (lora_dropout)"}
+                   "rank_pattern": "per-module ranks (rank_pattern)"}
 PEFT_FLAGS = ("use_dora", "use_rslora", "fan_in_fan_out", "inference_mode")
 
 
 @dataclass(frozen=True)
 class AdapterSpec:
     """An adapter setting: LoRA of rank `r` (scale `alpha`, default 2r) on `targets`, on a base that
-    is not quantized (`lora`) or quantized (`qlora`: nf4 4-bit or int8 8-bit)."""
+    is not quantized (`lora`) or quantized (`qlora`: nf4 4-bit or int8 8-bit), with PEFT's dropout on each
+    adapter's input (`dropout`, LoraConfig's lora_dropout: PEFT's default 0; TRL's `--use_peft` 0.05)."""
 
     method: str = "lora"
     r: int = 16
@@ -70,6 +71,8 @@ class AdapterSpec:
     # bnb_4bit_quant_storage: the dtype the packed 4-bit weights are stored in; bfloat16 where FSDP or ZeRO-3 shards
     # them (`for_sharding`: FSDP2 leaves integer tensors out of its sharding, FSDP1 cannot flatten them)
     quant_storage: str = "uint8"
+    # lora_dropout: above 0, each adapted layer's input is dropped out anew for its adapter (a copy and a mask saved)
+    dropout: float = 0.0
     # what the adapter's config asks for that no estimator models (named in the answer's notes)
     notes: tuple = field(default=(), compare=False)
 
@@ -89,6 +92,7 @@ class AdapterSpec:
         if self.method == "lora" and quantization is not None:
             raise UserError("a quantized base is QLoRA: method qlora (lora has no quantization)")
         check_choice("bnb_4bit_quant_storage", self.quant_storage, QUANT_STORAGES)
+        object.__setattr__(self, "dropout", check_dropout(self.dropout))
 
     def for_sharding(self, sharding: str | None) -> AdapterSpec:
         """The spec as a run sharded by `sharding` loads its base: a 4-bit base stored in bfloat16 under FSDP and
@@ -98,14 +102,16 @@ class AdapterSpec:
         return self
 
     @classmethod
-    def make(cls, r: int, alpha: int | None = None, targets=ALL_LINEAR, quantization: str | None = None) -> AdapterSpec:
+    def make(cls, r: int, alpha: int | None = None, targets=ALL_LINEAR, quantization: str | None = None,
+             dropout: float | None = None) -> AdapterSpec:
         """LoRA, or QLoRA when `quantization` is given (the estimators' and the plan's arguments)."""
-        return cls("qlora" if quantization else "lora", r, alpha, targets, quantization)
+        return cls("qlora" if quantization else "lora", r, alpha, targets, quantization,
+                   dropout=0.0 if dropout is None else dropout)
 
     @classmethod
     def from_peft_config(cls, source, quantization: str | None = None) -> AdapterSpec:
         """The spec of PEFT's adapter_config.json (a path, a folder holding it, or its dict): r,
-        lora_alpha and target_modules."""
+        lora_alpha, target_modules and lora_dropout."""
         data = source if isinstance(source, dict) else _read_adapter_config(source)
         if data.get("peft_type", "LORA") != "LORA":
             raise UserError(f"adapter config: peft_type {short(data.get('peft_type'))} is not LORA")
@@ -119,7 +125,7 @@ class AdapterSpec:
                 check_bool(f"adapter config: {flag}", data[flag])
         notes = tuple(f"adapter config: {what} is not modelled" for key, what in PEFT_UNMODELLED.items()
                       if data.get(key) not in (None, False, [], "none"))
-        spec = cls.make(data["r"], data.get("lora_alpha"), targets, quantization)
+        spec = cls.make(data["r"], data.get("lora_alpha"), targets, quantization, data.get("lora_dropout"))
         return replace(spec, notes=notes)
 
     @property
@@ -128,18 +134,30 @@ class AdapterSpec:
         return ALL_LINEAR if self.targets == ALL_LINEAR else self.targets.split(",")
 
     def columns(self) -> dict:
-        """The peak table's adapter columns."""
+        """The peak table's adapter columns (`ADAPTER_COLUMNS`)."""
         return {"lora_r": self.r, "lora_alpha": self.alpha, "lora_targets": self.targets,
-                "quantization": self.quantization}
+                "quantization": self.quantization, "lora_dropout": self.dropout}
 
     @classmethod
     def from_row(cls, row) -> AdapterSpec | None:
-        """The adapter of a row of a peak table (a dict or a named tuple; None: full fine-tuning)."""
-        r, alpha, targets, quantization = (cell(row, name) for name in ("lora_r", "lora_alpha", "lora_targets",
-                                                                           "quantization"))
+        """The adapter of a row of a peak table (a dict or a named tuple; None: full fine-tuning). A row written
+        before the lora_dropout column ran without dropout."""
+        r, alpha, targets, quantization, dropout = (cell(row, name) for name in ADAPTER_COLUMNS)
         if r is None:
             return None
-        return cls.make(int(r), None if alpha is None else int(alpha), targets or ALL_LINEAR, quantization or None)
+        return cls.make(int(r), None if alpha is None else int(alpha), targets or ALL_LINEAR, quantization or None,
+                        float(dropout or 0.0))
+
+
+# The peak tables' adapter columns (None for full fine-tuning).
+ADAPTER_COLUMNS = ("lora_r", "lora_alpha", "lora_targets", "quantization", "lora_dropout")
+
+
+def check_dropout(value) -> float:
+    """LoRA dropout: a probability in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise UserError(f"lora dropout must be a number in [0, 1), not {short(value)}")
+    return float(value)
 
 
 def _read_adapter_config(path) -> dict:
@@ -174,7 +192,8 @@ def check_targets(model, spec: AdapterSpec) -> None:
 def lora_config(spec: AdapterSpec):
     from peft import LoraConfig
 
-    return LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=spec.target_names, task_type="CAUSAL_LM")
+    return LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=spec.target_names, lora_dropout=spec.dropout,
+                      task_type="CAUSAL_LM")
 
 
 def apply_adapters(model, spec: AdapterSpec, gradient_checkpointing: bool):
@@ -293,31 +312,37 @@ def build_adapter_base(config, model_id: str, spec: AdapterSpec, precision: str,
 # --- command-line arguments (measure here; the lead's estimate) -------------------------------------
 
 def add_adapter_arguments(parser) -> None:
-    """--lora-r, --lora-alpha, --lora-targets, --quantization, --peft-config."""
+    """--lora-r, --lora-alpha, --lora-targets, --lora-dropout, --quantization, --peft-config."""
     from pipeline.core.arguments import positive_int
 
     parser.add_argument("--lora-r", type=positive_int, metavar="R", help="LoRA rank (adapters on a frozen base)")
     parser.add_argument("--lora-alpha", type=positive_int, metavar="A", help="LoRA alpha (default 2r)")
     parser.add_argument("--lora-targets", metavar="MODULES",
                         help=f"{ALL_LINEAR} (default) or module names separated by commas (q_proj,v_proj)")
+    parser.add_argument("--lora-dropout", type=float, metavar="P",
+                        help="LoRA dropout on each adapter's input (default 0, PEFT's; TRL's --use_peft takes 0.05)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, help="QLoRA: the base quantized by bitsandbytes")
-    parser.add_argument("--peft-config", metavar="FILE", help="PEFT's adapter_config.json (r, lora_alpha, target_modules)")
+    parser.add_argument("--peft-config", metavar="FILE",
+                        help="PEFT's adapter_config.json (r, lora_alpha, target_modules, lora_dropout)")
 
 
 def adapter_from_arguments(args) -> AdapterSpec | None:
     """The AdapterSpec the arguments ask for (None: full fine-tuning)."""
-    return adapter_from_options(args.lora_r, args.lora_alpha, args.lora_targets, args.quantization, args.peft_config)
+    return adapter_from_options(args.lora_r, args.lora_alpha, args.lora_targets, args.quantization, args.peft_config,
+                                args.lora_dropout)
 
 
 def adapter_from_options(lora_r=None, lora_alpha=None, lora_targets=None, quantization=None,
-                         peft_config=None) -> AdapterSpec | None:
+                         peft_config=None, lora_dropout=None) -> AdapterSpec | None:
     """The AdapterSpec of the options (command line or Python; None: full fine-tuning)."""
     if peft_config:
-        if lora_r or lora_alpha or lora_targets:
-            raise UserError("--peft-config gives r, alpha and targets: leave out --lora-r, --lora-alpha, --lora-targets")
+        if lora_r or lora_alpha or lora_targets or lora_dropout is not None:
+            raise UserError("--peft-config gives r, alpha, targets and dropout: leave out --lora-r, --lora-alpha, "
+                            "--lora-targets, --lora-dropout")
         return AdapterSpec.from_peft_config(peft_config, quantization)
     if lora_r is None:
-        if lora_alpha or lora_targets or quantization:
-            raise UserError("--lora-alpha, --lora-targets and --quantization need --lora-r (or --peft-config)")
+        if lora_alpha or lora_targets or quantization or lora_dropout is not None:
+            raise UserError("--lora-alpha, --lora-targets, --lora-dropout and --quantization need --lora-r "
+                            "(or --peft-config)")
         return None
-    return AdapterSpec.make(lora_r, lora_alpha, lora_targets or ALL_LINEAR, quantization)
+    return AdapterSpec.make(lora_r, lora_alpha, lora_targets or ALL_LINEAR, quantization, lora_dropout)

@@ -5,7 +5,7 @@ validation read it (docs/architecture.md, "Tables")."""
 
 from __future__ import annotations
 
-from pipeline.core.io import read_table
+from pipeline.core.io import cell, read_table
 from pipeline.core.vocabulary import OPTIM_OF_LOOP_OPTIMIZER
 from pipeline.training.step import Setting
 
@@ -30,7 +30,7 @@ COLUMN_DTYPES = {
     "config_revision": "string",
     # adapters (pipeline.training.adapters): None for full fine-tuning
     "lora_r": "Int64", "lora_alpha": "Int64", "lora_targets": "string", "quantization": "string",
-    "trainable_parameters": "Int64",
+    "lora_dropout": "float64", "trainable_parameters": "Int64",
     # Liger's kernels (use_liger_kernel) and the share of positions with a label (SFTTrainer's completion mask)
     "liger_kernel": "boolean", "completion_share": "float64",
     # GRPO / RLOO (`training.rollout`): the rollout's keys as JSON (None: TRL's defaults); every phase's peak (JSON:
@@ -44,12 +44,13 @@ COLUMN_DTYPES = {
 COLUMNS = tuple(COLUMN_DTYPES)
 
 # A measured point of the peak table is one row per these columns.
-# The adapter columns (LoRA rank and targets, the base's quantization) are None without adapters;
-# liger_kernel is false and completion_share 1.0 where they do not apply (and in rows written before them).
+# The adapter columns (LoRA rank, targets and dropout, the base's quantization) are None without adapters (an adapter
+# row written before lora_dropout ran without dropout: 0.0); liger_kernel is false and completion_share 1.0 where
+# they do not apply (and in rows written before them).
 POINT_KEY = ("model_id", "precision", "variant", "optimizer", "gradient_checkpointing", "attn_implementation",
              "batch_size", "seq_len", "client", "optim", "gradient_accumulation", "lora_r", "lora_targets",
-             "quantization", "liger_kernel", "completion_share")
-ADAPTER_KEY = ("lora_r", "lora_targets", "quantization")
+             "quantization", "liger_kernel", "completion_share", "lora_dropout")
+ADAPTER_KEY = ("lora_r", "lora_targets", "quantization", "lora_dropout")
 # The key of the standard step's points before the client and adapter columns (the simulate stage's table).
 STANDARD_KEY = POINT_KEY[:8]
 # The columns added after the client columns, and what a row written before them means.
@@ -61,6 +62,8 @@ def with_client_columns(row: dict) -> dict:
     optimizer's transformers name, no gradient accumulation; one written before the Liger and
     completion columns ran without Liger, every position labelled (`SETTING_DEFAULTS`)."""
     missing = {k: v for k, v in SETTING_DEFAULTS.items() if row.get(k) is None}
+    if cell(row, "lora_r") is not None and cell(row, "lora_dropout") is None:
+        missing["lora_dropout"] = 0.0
     if missing:
         row = {**row, **missing}
     if row.get("client") is not None:
@@ -82,6 +85,10 @@ def with_client_columns_frame(frame):
             frame[column] = None
         for column, value in defaults.items():
             frame[column] = frame[column].fillna(value) if column in frame.columns else value
+    if frame["lora_dropout"].isna().any():  # adapter rows written before the column ran without dropout
+        frame = frame.copy()
+        frame["lora_dropout"] = frame["lora_dropout"].astype("float64").mask(
+            frame["lora_dropout"].isna() & frame["lora_r"].notna(), 0.0)
     if "client" in frame.columns:
         return frame
     frame = frame.copy()

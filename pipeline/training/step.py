@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from pipeline.training.adapters import AdapterSpec
+from pipeline.training.adapters import ADAPTER_COLUMNS, AdapterSpec
 from pipeline.training.hyperparameters import Hyperparameters
 from pipeline.training.packing import Packing
 from pipeline.training.rollout import Rollout
@@ -151,9 +151,9 @@ class Setting:
         return self.variant == "blog"
 
     def adapter_columns(self) -> dict:
-        """lora_r, lora_alpha, lora_targets, quantization (None without adapters)."""
+        """lora_r, lora_alpha, lora_targets, quantization, lora_dropout (None without adapters)."""
         if self.adapter is None:
-            return dict.fromkeys(("lora_r", "lora_alpha", "lora_targets", "quantization"))
+            return dict.fromkeys(ADAPTER_COLUMNS)
         return self.adapter.columns()
 
 

@@ -31,12 +31,13 @@ from pipeline.core.vocabulary import SPLITS, check_choice
 from pipeline.estimate.estimators import BlogEstimator, ExactEstimator, FormulaEstimator, HeuristicEstimator
 from pipeline.training.values import Estimate, Run, Target
 from pipeline.core.paths import REPO_ROOT, SETTINGS_SIMULATED, SETTINGS_SUMMARY, SETTINGS_TABLES, SETTINGS_VALIDATION
+from pipeline.training.adapters import ADAPTER_COLUMNS
 from pipeline.training.points import SETTING_DEFAULTS
 from pipeline.validate.peaks import error_summary, predicted_or_reason
 
 SETTING_KEY = ("model_id", "precision", "client", "optim", "optimizer", "gradient_accumulation",
                "gradient_checkpointing", "batch_size", "seq_len", "lora_r", "lora_alpha", "lora_targets", "quantization",
-               "liger_kernel", "completion_share", "first_in_process", "num_gpus", "sharding", "shard_group",
+               "lora_dropout", "liger_kernel", "completion_share", "first_in_process", "num_gpus", "sharding", "shard_group",
                "tensor_parallel", "deepspeed", "hyperparameters", "alloc_conf", "rollout", "packing")
 ROW_COLUMNS = (*SETTING_KEY, "model_type", "family", "parameters", "status", "device", "split", "setting", "layout",
                "rank")
@@ -61,9 +62,11 @@ def settings_rows(tables: dict):
     rows = pd.concat(frames, ignore_index=True)
     rows["gradient_checkpointing"] = rows["gradient_checkpointing"].fillna(False).astype(bool)
     rows["gradient_accumulation"] = rows["gradient_accumulation"].fillna(1).astype(int)
-    for column in ("lora_r", "lora_alpha", "lora_targets", "quantization"):
+    for column in ADAPTER_COLUMNS:
         if column not in rows.columns:
             rows[column] = None
+    rows["lora_dropout"] = rows["lora_dropout"].astype("float64").mask(  # adapter rows from before the column
+        rows["lora_dropout"].isna() & rows["lora_r"].notna(), 0.0)
     for column, value in SETTING_DEFAULTS.items():  # tables from before Liger and the completion share
         rows[column] = rows[column].fillna(value) if column in rows.columns else value
     for column, value in LAYOUT_DEFAULTS.items():  # single-GPU tables
@@ -124,8 +127,11 @@ def setting_key(row) -> tuple:
     """A measured point on its GPU (the replay of the reserved bytes stops at that GPU's edge)."""
     get = row.get if isinstance(row, dict) else lambda name: getattr(row, name, None)
     defaults = {**SETTING_DEFAULTS, **LAYOUT_DEFAULTS}
-    return tuple(_text(defaults[name] if name in defaults and _text(get(name)) == "" else get(name))
-                 for name in (*SETTING_KEY, "device"))
+    parts = {name: _text(defaults[name] if name in defaults and _text(get(name)) == "" else get(name))
+             for name in (*SETTING_KEY, "device")}
+    if parts["lora_dropout"] == "0":  # no dropout: keyed as the tables written before the column key it
+        parts["lora_dropout"] = ""
+    return tuple(parts.values())
 
 
 def _text(value) -> str:

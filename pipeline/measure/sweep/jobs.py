@@ -56,7 +56,8 @@ class Job:
         adapter = s.adapter_columns()
         return (self.model_id, self.precision, s.variant, s.optimizer, s.gradient_checkpointing, self.attn,
                 point.batch_size, point.seq_len, s.client, s.optim, s.gradient_accumulation, adapter["lora_r"],
-                adapter["lora_targets"], adapter["quantization"], s.liger_kernel, s.completion_share)
+                adapter["lora_targets"], adapter["quantization"], s.liger_kernel, s.completion_share,
+                adapter["lora_dropout"])
 
 
 def step_flops(parameters: int, batch: int, seq: int, accumulation: int = 1) -> float:

@@ -21,7 +21,7 @@ PLAN_KEYS = {"grid", "max_step_flops", "allow_tf32", "child_timeout_seconds", "g
 GROUP_KEYS = {"name", "models", "precisions", "client", "variant", "optimizer", "optim", "gradient_checkpointing",
               "gradient_accumulation", "attn_implementation", "grid", "points", "max_step_flops", "lora",
               "liger_kernel", "completion_share"}
-LORA_KEYS = {"r", "alpha", "targets", "quantization"}
+LORA_KEYS = {"r", "alpha", "targets", "quantization", "dropout"}
 
 
 @contextlib.contextmanager
@@ -171,14 +171,15 @@ def _pairs(points) -> tuple[tuple[int, int], ...]:
 
 
 def _adapter(data):
-    """A group's `lora: {r: 16, targets: all-linear, quantization: nf4}` (alpha defaults to 2r;
-    a quantization makes it QLoRA)."""
+    """A group's `lora: {r: 16, targets: all-linear, quantization: nf4, dropout: 0.05}` (alpha defaults to 2r;
+    a quantization makes it QLoRA; dropout defaults to 0)."""
     from pipeline.training.adapters import ALL_LINEAR, AdapterSpec
 
     _no_unknown(data, LORA_KEYS, "lora")
     if "r" not in data:
         raise UserError("lora: needs r (the rank)")
-    return AdapterSpec.make(data["r"], data.get("alpha"), data.get("targets", ALL_LINEAR), data.get("quantization"))
+    return AdapterSpec.make(data["r"], data.get("alpha"), data.get("targets", ALL_LINEAR), data.get("quantization"),
+                            data.get("dropout"))
 
 
 def _group(item, label: str, grid: Grid, plan_precisions, budget: float) -> Group:

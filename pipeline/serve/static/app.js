@@ -30,7 +30,7 @@ const FLAGS = [["batch", "--batch"], ["seq", "--seq"], ["precision", "--precisio
   ["weights_dtype", "--weights-dtype"], ["client", "--client"],
   ["optimizer", "--optimizer"], ["optim", "--optim"], ["gradient_accumulation", "--gradient-accumulation"],
   ["checkpointing", "--checkpointing"], ["lora_r", "--lora-r"], ["lora_alpha", "--lora-alpha"],
-  ["lora_targets", "--lora-targets"], ["quantization", "--quantization"], ["num_gpus", "--num-gpus"],
+  ["lora_targets", "--lora-targets"], ["lora_dropout", "--lora-dropout"], ["quantization", "--quantization"], ["num_gpus", "--num-gpus"],
   ["sharding", "--sharding"], ["shard_group", "--shard-group"], ["tensor_parallel", "--tensor-parallel"],
   ["accelerate_config", "--accelerate-config"], ["gpu", "--gpu"], ["gpu_memory_gib", "--gpu-memory"],
   ["expandable_segments", "--expandable-segments"], ["liger_kernel", "--liger-kernel"],
@@ -50,7 +50,8 @@ const ROLLOUT_CLIENTS = ["grpo", "rloo"];
 const ROLLOUT_FIELDS = ["num_generations", "max_completion_length", "beta"];
 const PACKING_FIELDS = ["packing", "padding_free"];  // TRL's SFTTrainer's packed batches (client sft)
 const LINK_LENGTHS = 2000;  // the document lengths a shareable link holds (the first ones)
-const NUMBER_FIELDS = ["batch", "seq", "gradient_accumulation", "lora_r", "lora_alpha", "num_gpus", "shard_group",
+const NUMBER_FIELDS = ["batch", "seq", "gradient_accumulation", "lora_r", "lora_alpha", "lora_dropout", "num_gpus",
+  "shard_group",
   "tensor_parallel", "gpu_memory_gib", ...ROLLOUT_FIELDS];
 const LAYOUT_FIELDS = ["num_gpus", "sharding", "shard_group", "tensor_parallel"];  // the layouts table varies them
 const DEFAULT_LAYOUTS_LIMIT = 8;  // the library's: estimate --layouts without --num-gpus
@@ -193,6 +194,8 @@ function question() {
     if (alpha !== undefined) q.lora_alpha = alpha;
     const targets = $("lora_targets").value.trim();
     if (targets && targets !== state.info.all_linear) q.lora_targets = targets;
+    const dropout = numberOrText("lora_dropout");
+    if (dropout !== undefined && dropout !== 0) q.lora_dropout = dropout;
     if (adapters === "qlora") q.quantization = $("quantization").value;
   }
   const gpus = numberOrText("num_gpus");
@@ -389,6 +392,7 @@ function setForm(q) {
   $("lora_r").value = q.lora_r ?? 16;
   $("lora_alpha").value = q.lora_alpha ?? "";
   $("lora_targets").value = q.lora_targets || state.info.all_linear || "all-linear";
+  $("lora_dropout").value = q.lora_dropout ?? "";
   $("quantization").value = q.quantization || "nf4";
   $("num_gpus").value = q.num_gpus ?? 1;
   $("sharding").value = q.sharding || "";
