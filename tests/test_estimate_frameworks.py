@@ -56,7 +56,7 @@ def test_an_axolotl_file_answers_as_its_explicit_options():
     ("axolotl", {"processor_type": "AutoProcessor"}, "processor_type is set: a vision-language fine-tune"),
     ("axolotl", {"rl": "kto"}, "rl 'kto' is not simulated"),
     ("axolotl", {"plugins": ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"]}, "plugins"),
-    ("axolotl", {"fsdp_config": {"fsdp_offload_params": True}}, "fsdp_offload_params"),
+    ("axolotl", {"fsdp_config": {"fsdp_offload_params": True}}, "fsdp_offload_params with FSDP version 1"),
     ("axolotl", {"adapter": "ia3"}, "adapter 'ia3' is not simulated"),
     ("axolotl", {"gradient_checkpointing": "offload"}, "gradient_checkpointing: offload"),
     ("axolotl", {"xformers_attention": True, "flash_attention": False}, "xformers_attention"),

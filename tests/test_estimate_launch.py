@@ -8,6 +8,7 @@ import json
 import pytest
 
 from pipeline.cli import main
+from pipeline.core.errors import UserError
 from pipeline.estimate import estimate
 
 from conftest import TINY_LLAMA
@@ -75,7 +76,7 @@ def test_the_fsdp_keys_of_a_training_file_launch_fsdp2():
     (lambda c: c.replace("fsdp_version: 2", "fsdp_version: 1"), "FSDP version 1 is not simulated"),
     (lambda c: c + "fsdp_offload_params: true\n", "unknown accelerate config key 'fsdp_offload_params'"),
     (lambda c: c.replace("  fsdp_version: 2", "  fsdp_version: 2\n  fsdp_offload_params: true"),
-     "FSDP CPU offload is not simulated"),
+     "FSDP2 with CPU offload (sharding fsdp-offload) would crash at the first optimizer step"),
     (lambda c: c.replace("  fsdp_version: 2", "  fsdp_version: 2\n  fsdp_bogus: 1"), "unknown fsdp_config key 'bogus'"),
     (lambda c: c.replace("num_processes: 4", "num_processes: -2"), "num_processes must be a positive integer"),
     (lambda c: c.replace("mixed_precision: bf16", "mixed_precision: fp8"), "mixed_precision 'fp8' is not simulated"),
@@ -88,6 +89,37 @@ def test_bad_accelerate_configs_are_one_line(tmp_path, capsys, change, message):
                  "--accelerate-config", str(path)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and "\n" not in err
+
+
+def test_fsdp2_cpu_offload_answers_where_its_run_crashes(capsys):
+    """FSDP2's CPU offload under the Trainer crashes at the first optimizer step (measured on 2 H200s: the gradient
+    norm's all-reduce of host tensors over NCCL): asked by its sharding, a training file's fsdp words or fsdp_config,
+    the answer is that crash in one line (exit 2); the loop's is not simulated; the Axolotl file's FSDP1 offload
+    neither."""
+    from pipeline.simulate.crashes import RunWouldCrash
+
+    crash = "would crash at the first optimizer step"
+    code = main(["estimate", "--model", "meta-llama/Llama-3.2-1B", "--batch", "2", "--seq", "1024", "--client",
+                 "trainer", "--precision", "bf16", "--num-gpus", "2", "--sharding", "fsdp-offload"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and crash in err and "No backend type associated with device type cpu" in err \
+        and "\n" not in err
+    for fsdp, config in (("full_shard offload auto_wrap", {"version": 2}), ("full_shard auto_wrap",
+                                                                           {"version": 2, "offload_params": True})):
+        with pytest.raises(RunWouldCrash, match=crash):
+            estimate(config=TINY_LLAMA, seq=32, num_gpus=2, method="formula",
+                     training_args={"per_device_train_batch_size": 2, "bf16": True, "fsdp": fsdp, "fsdp_config": config})
+    with pytest.raises(RunWouldCrash, match=crash):
+        estimate(config=TINY_LLAMA, seq=32, num_gpus=2, method="formula", axolotl_config={
+            "base_model": "x", "micro_batch_size": 1, "fsdp": ["full_shard", "auto_wrap"],
+            "fsdp_config": {"fsdp_version": 2, "fsdp_offload_params": True}})
+    with pytest.raises(UserError, match="with FSDP version 1 .*FSDP1's CPU offload is not simulated yet"):
+        estimate(config=TINY_LLAMA, seq=32, num_gpus=2, method="formula", axolotl_config={
+            "base_model": "x", "micro_batch_size": 1, "fsdp": ["full_shard", "auto_wrap"],
+            "fsdp_config": {"fsdp_offload_params": True}})
+    with pytest.raises(UserError, match="sharding fsdp-offload of the loop client is not simulated yet"):
+        estimate(config=TINY_LLAMA, batch=2, seq=32, precision="bf16", num_gpus=2, sharding="fsdp-offload",
+                 method="formula")
 
 
 def test_the_layouts_table_and_the_fewest_gpus():

@@ -51,8 +51,8 @@ def test_sft_config_file_sets_the_run(tmp_path):
     run, notes = make_run(sft_config=write(tmp_path / "sft.yaml", SFT_YAML))
     assert (run.client, run.batch, run.seq, run.gradient_accumulation, run.precision, run.checkpointing, run.optim) \
         == ("sft", 4, 1024, 2, "bf16-autocast", True, "adamw_torch")
-    assert (run.adapter.r, run.adapter.alpha, run.adapter.targets, run.adapter.quantization) == (8, 16, "q_proj,v_proj",
-                                                                                             None)
+    assert (run.adapter.r, run.adapter.alpha, run.adapter.targets, run.adapter.quantization, run.adapter.dropout) \
+        == (8, 16, "q_proj,v_proj", None, 0.05)  # ModelConfig's lora_dropout
     assert notes == [] and run.packing == Packing(True, True)  # packing and padding_free are simulated
     run, _ = make_run(batch=2, seq=512, checkpointing=False, sft_config=write(tmp_path / "sft.yaml", SFT_YAML))
     assert (run.batch, run.seq, run.checkpointing) == (2, 512, False)  # explicit options win
@@ -74,13 +74,17 @@ def test_the_deepspeed_key_of_a_training_file_is_its_zero_stage(tmp_path):
 def test_sft_config_defaults_are_trls(tmp_path):
     """What `trl sft` runs when the file says little: fp32 weights (ModelConfig.dtype) under bf16 autocast
     (SFTConfig.bf16) = amp-bf16, checkpointing on, max_length 1024, fused AdamW; QLoRA with TRL's LoRA
-    defaults (r 16, alpha 32) and PEFT's default targets, noted."""
+    defaults (r 16, alpha 32, dropout 0.05) and PEFT's default targets, noted; the file's lora_dropout read."""
     path = write(tmp_path / "sft.json", json.dumps({"per_device_train_batch_size": 2, "use_peft": True,
                                                     "load_in_4bit": True}))
     run, notes = make_run(sft_config=path)
     assert (run.precision, run.checkpointing, run.seq, run.optim) == ("amp-bf16", True, 1024, "adamw_torch_fused")
-    assert (run.adapter.method, run.adapter.r, run.adapter.alpha, run.adapter.targets) == ("qlora", 16, 32,
-                                                                                           "q_proj,v_proj")
+    assert (run.adapter.method, run.adapter.r, run.adapter.alpha, run.adapter.targets, run.adapter.dropout) \
+        == ("qlora", 16, 32, "q_proj,v_proj", 0.05)
+    run, _ = make_run(sft_config={"per_device_train_batch_size": 2, "use_peft": True, "lora_dropout": 0})
+    assert run.adapter.dropout == 0.0
+    with pytest.raises(UserError, match=r"sft config: lora dropout must be a number in \[0, 1\), not 1"):
+        make_run(sft_config={"per_device_train_batch_size": 2, "use_peft": True, "lora_dropout": 1})
     assert any("PEFT's default" in note for note in notes) and any("computes the 4-bit matmuls in fp32" in n
                                                                     for n in notes)
     run, _ = make_run(sft_config=path, weights_dtype="bf16")

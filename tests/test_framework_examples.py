@@ -82,7 +82,7 @@ def test_the_walk_covers_both_folders_as_copied(walked):
 
 def test_keys_that_change_memory_are_named(walked):
     """Axolotl's attn_implementation: flash attention answered with SDPA's flash path (said), eager read as eager,
-    xformers refused; LoRA dropout named as not modelled (PEFT's dropout copies each adapted layer's input)."""
+    xformers refused; LoRA dropout read (PEFT's dropout copies each adapted layer's input: simulated)."""
     run, notes = make_run(axolotl_config={"base_model": "Qwen/Qwen2.5-0.5B", "adapter": "lora", "lora_r": 8,
                                           "lora_target_linear": True, "lora_dropout": 0.05, "sequence_len": 512,
                                           "attn_implementation": "eager"})
@@ -90,7 +90,7 @@ def test_keys_that_change_memory_are_named(walked):
     assert default_method(run) == "exact"  # the heuristic's line is full fine-tuning's with SDPA
     sdpa, _ = make_run(axolotl_config={"base_model": "Qwen/Qwen2.5-0.5B", "sequence_len": 512})
     assert default_method(sdpa) == "heuristic"
-    assert any("LoRA dropout (lora_dropout) 0.05 is not modelled" in note for note in notes)
+    assert run.adapter.dropout == 0.05 and not any("dropout" in note for note in notes)
     assert any("micro_batch_size not set: Axolotl's default, 1" in note for note in notes)
     flash = [p for p, m in walked["axolotl"].items()
              if m == "answered" and "attn_implementation: flash_attention_2" in p.read_text()]

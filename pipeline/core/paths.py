@@ -85,6 +85,9 @@ SETTINGS_TABLES = {
     # config/sweep_qlora_distributed_heldout.yaml: QLoRA across GPUs (issue 36): SFTTrainer on an nf4 base under
     # FSDP2, ZeRO-3 and DDP on 2 and 4 GPUs
     "results/qlora_distributed_heldout/h200/peak_memory.parquet": "held-out",
+    # config/sweep_lora_dropout_heldout.yaml: LoRA dropout (lora_dropout > 0) under the Trainer and SFTTrainer, on
+    # LoRA and QLoRA bases, measured after the simulation ran PEFT's dropout, never tuned on
+    "results/lora_dropout_heldout/h200/peak_memory.parquet": "held-out",
 }
 SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
 SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"

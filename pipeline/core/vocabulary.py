@@ -111,6 +111,8 @@ QUANTIZATIONS = ("nf4", "int8")
 # (FSDP2 on a 2-D mesh: shard groups replicated), DeepSpeed's ZeRO stages 1-3 as the Trainer runs them
 # (`training.zero`); `training.layout.Layout` adds tensor parallelism
 SHARDINGS = ("ddp", "fsdp", "fsdp-no-reshard", "hsdp", "zero1", "zero2", "zero3")
+# Shardings a user may ask for whose real run crashes: the answer is that crash (`estimate.launch.KNOWN_CRASHES`)
+CRASHING_SHARDINGS = ("fsdp-offload",)
 ZERO_SHARDINGS = ("zero1", "zero2", "zero3")
 VARIANTS = ("standard", "blog")  # blog: the blog's own loop, loss = mean(logits)
 ATTENTIONS = ("default", "eager")  # as requested; default: the library's choice (sdpa)

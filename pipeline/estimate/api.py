@@ -71,6 +71,9 @@ def make_run(batch=None, seq=None, precision=None, optimizer=None, checkpointing
         from_file = with_deepspeed(from_file, deepspeed, sharding)
     notes += from_file.pop("notes", [])
     given = {key: from_file.get(key) if value is None else value for key, value in given.items()}
+    from pipeline.estimate.launch import check_crashing_sharding
+
+    check_crashing_sharding(given["sharding"], given["client"] or "loop")
     if given["sharding"] is not None and given["num_gpus"] is None:
         raise UserError(f"sharding {given['sharding']} needs the number of GPUs: --num-gpus (num_gpus=), or an "
                         "accelerate config's num_processes")

@@ -12,7 +12,7 @@ from pipeline.estimate.memo import one_question
 from pipeline.estimate.search import largest_batch, largest_seq
 from pipeline.training.values import GIB
 from pipeline.estimate.verdict import gpu_of
-from pipeline.core.vocabulary import (CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, ROLLOUT_CLIENTS, SHARDINGS,
+from pipeline.core.vocabulary import (CLIENTS, CRASHING_SHARDINGS, METHODS, OPTIMIZERS, OPTIMS, PRECISIONS, ROLLOUT_CLIENTS, SHARDINGS,
                                       WEIGHTS_DTYPES)
 
 
@@ -72,10 +72,11 @@ def add_cli(subparsers) -> None:
     add_packing_arguments(parser)
     parser.add_argument("--num-gpus", type=positive_int, default=None, metavar="N",
                         help="GPUs of the run (with --sharding; --batch is per data-parallel rank)")
-    parser.add_argument("--sharding", choices=SHARDINGS, default=None,
+    parser.add_argument("--sharding", choices=SHARDINGS + CRASHING_SHARDINGS, default=None,
                         help="ddp, or FSDP2 per decoder layer and the root (fsdp: resharded after forward), or hsdp "
                              "(FSDP2 over --shard-group GPUs, replicated across the rest), or DeepSpeed's ZeRO stage "
-                             "as the Trainer clients run it (zero1, zero2, zero3; or --deepspeed FILE)")
+                             "as the Trainer clients run it (zero1, zero2, zero3; or --deepspeed FILE); fsdp-offload "
+                             "(FSDP2's CPU offload) answers where its run crashes")
     parser.add_argument("--shard-group", type=positive_int, default=None, metavar="S",
                         help="hsdp: the GPUs one copy of the model is sharded over (usually a node's 8)")
     parser.add_argument("--tensor-parallel", type=positive_int, default=None, metavar="T",

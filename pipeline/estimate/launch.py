@@ -5,7 +5,9 @@ TrainingArguments or SFTConfig file, and an accelerate config file (`accelerate 
 FSDP is FSDP2 here (transformers' `fsdp_config` version 2, its default; accelerate's `fsdp_version: 2`):
 `full_shard` (or `reshard_after_forward: true`) is `fsdp`, `shard_grad_op` (`false`) is `fsdp-no-reshard`.
 DeepSpeed (an accelerate config's `distributed_type: DEEPSPEED`, a training file's `deepspeed` key) is read by
-`pipeline.training.zero`. What the simulator does not run is refused in one line (FSDP1, CPU offload, TPUs, a mixed precision other than no, bf16, fp16); what changes
+`pipeline.training.zero`. FSDP2's CPU offload (the `offload` word, `offload_params` / `cpu_offload`) is `fsdp-offload`,
+whose run crashes under the Trainer (`KNOWN_CRASHES`: the answer says so). What the simulator does not run is
+refused in one line (FSDP1, TPUs, a mixed precision other than no, bf16, fp16); what changes
 no memory of a step (state-dict types, loading, prefetch knobs of FSDP1) is accepted; what changes memory in a
 way no estimator models is named in the answer's notes. Unknown keys are refused, so that a typo is not an
 answer to another question.
@@ -34,6 +36,16 @@ ACCELERATE_KEYS = {"compute_environment", "distributed_type", "num_processes", "
                    "megatron_lm_config", "parallelism_config", "fp8_config", "ipex_config", "mpirun_config",
                    "command_file", "commands", "tpu_name", "tpu_zone"}
 AUTOCAST = {"no": None, "bf16": "bf16", "fp16": "fp16"}
+# What the real run of a crashing sharding (vocabulary.CRASHING_SHARDINGS) does, measured (benchmarks/probe_fsdp_offload.py)
+KNOWN_CRASHES = {
+    "fsdp-offload": (
+        "FSDP2 with CPU offload (sharding fsdp-offload) would crash at the first optimizer step: the Trainer's "
+        "gradient norm (accelerate's clip_grad_norm_, then torch's) all-reduces the norm of the gradients FSDP2 keeps "
+        "on the host over NCCL, which has no CPU backend (\"No backend type associated with device type cpu\"; "
+        "measured on 2 H200s with torch 2.11, transformers 5.17, accelerate 1.15, with max_grad_norm 0 too; "
+        "Axolotl's issue 3058): shard with fsdp (no offload), or with zero3 and a DeepSpeed config's "
+        "offload_optimizer / offload_param (ZeRO-Offload, simulated)"),
+}
 
 
 def fsdp_settings(fsdp, fsdp_config, label: str) -> dict:
@@ -54,9 +66,11 @@ def fsdp_settings(fsdp, fsdp_config, label: str) -> dict:
             raise UserError(f"{label}: fsdp {word} is FSDP1's (transformers runs FSDP2, where it does not exist); "
                             "sharded data parallel across nodes is hsdp (--sharding hsdp --shard-group S)")
         if word == "offload":
-            raise UserError(f"{label}: FSDP CPU offload is not simulated yet")
+            config = {**config, "offload_params": True}
+            continue
         if word not in FSDP_WORDS:
-            raise UserError(f"{label}: unknown fsdp option {short(word)} (full_shard, shard_grad_op, auto_wrap)")
+            raise UserError(f"{label}: unknown fsdp option {short(word)} (full_shard, shard_grad_op, offload, "
+                            "auto_wrap)")
         sharding = FSDP_WORDS[word] or sharding
     return _with_config(sharding, config, label)
 
@@ -75,8 +89,6 @@ def _with_config(sharding: str, config: dict, label: str) -> dict:
         raise UserError(f"{label}: unknown fsdp_config key {short(unknown[0])}")
     if str(config.get("version", 2)) != "2":
         raise UserError(f"{label}: FSDP version {short(config['version'])} is not simulated (FSDP2 is: version 2)")
-    if config.get("cpu_offload") or config.get("offload_params"):
-        raise UserError(f"{label}: FSDP CPU offload is not simulated yet")
     if config.get("xla") or config.get("xla_fsdp_v2"):
         raise UserError(f"{label}: FSDP on XLA (TPUs) is not simulated")
     strategy = config.get("sharding_strategy")
@@ -99,7 +111,23 @@ def _with_config(sharding: str, config: dict, label: str) -> dict:
     if config.get("auto_wrap_policy") not in (None, "TRANSFORMER_BASED_WRAP"):
         settings["notes"].append(f"{label}: auto_wrap_policy {short(config['auto_wrap_policy'])} is simulated as "
                                  "TRANSFORMER_BASED_WRAP (each decoder layer its own FSDP unit)")
+    if str(config.get("cpu_offload") or config.get("offload_params") or "false").lower() not in ("false", "none"):
+        settings["sharding"] = "fsdp-offload"  # FSDP2's CPUOffloadPolicy, whichever the resharding
     return settings
+
+
+def check_crashing_sharding(sharding: str | None, client: str) -> None:
+    """A sharding whose real run crashes (`KNOWN_CRASHES`, under the Trainer clients) answers as that crash
+    (`RunWouldCrash`); the loop's is not simulated."""
+    from pipeline.core.vocabulary import CRASHING_SHARDINGS, TRAINER_CLIENTS
+    from pipeline.simulate.crashes import RunWouldCrash
+
+    if sharding not in CRASHING_SHARDINGS:
+        return
+    if client not in TRAINER_CLIENTS:
+        raise UserError(f"sharding {sharding} of the {client} client is not simulated yet (the Trainer clients' run "
+                        "crashes: --client trainer says where)")
+    raise RunWouldCrash(KNOWN_CRASHES[sharding])
 
 
 def read_accelerate_config(source) -> dict:

@@ -151,13 +151,14 @@ def server_info(timeout_s: float) -> dict:
     """The options' words (pipeline.core.vocabulary, the adapters' targets) and the server's limits."""
     from pipeline.training.adapters import ALL_LINEAR
     from pipeline.core.vocabulary import (CLIENTS, METHODS, OPTIMIZERS, OPTIMS, PRECISION_MODES, PRECISIONS,
-                                          QUANTIZATIONS, SHARDINGS, WEIGHTS_DTYPES)
+                                          QUANTIZATIONS, SHARDINGS, WEIGHTS_DTYPES,
+                                          CRASHING_SHARDINGS)
 
     # a precision by what it is made of: the page asks the trainer clients for weights and autocast, as
     # TrainingArguments and a model's dtype do (vocabulary.precision_of)
     modes = {name: {"weights": mode.weights, "autocast": mode.autocast} for name, mode in PRECISION_MODES.items()}
     return {"precisions": list(PRECISIONS), "precision_modes": modes, "weights_dtypes": list(WEIGHTS_DTYPES),
             "clients": list(CLIENTS), "optimizers": list(OPTIMIZERS),
-            "optims": list(OPTIMS), "shardings": list(SHARDINGS), "quantizations": list(QUANTIZATIONS),
+            "optims": list(OPTIMS), "shardings": list(SHARDINGS + CRASHING_SHARDINGS), "quantizations": list(QUANTIZATIONS),
             "methods": list(METHODS), "all_linear": ALL_LINEAR, "limits": LIMITS + f"; a simulation stops "
             f"after {timeout_s:g} s", "timeout_s": timeout_s, "max_num_gpus": MAX_NUM_GPUS}

@@ -92,9 +92,11 @@ def layout_name(row) -> str:
 
 def setting_name(row) -> str:
     """full (fine-tuning), lora or qlora: the validation's groups; bf16-autocast, FSDP2's mixed precision,
-    Liger's kernels, ZeRO-Offload and packed batches are reported apart (", bf16-autocast", ", mp-bf16", "+liger",
-    "+offload", "+packing", "+padding-free")."""
+    LoRA dropout, Liger's kernels, ZeRO-Offload and packed batches are reported apart (", bf16-autocast", ", mp-bf16",
+    "+dropout", "+liger", "+offload", "+packing", "+padding-free")."""
     name = "full" if _text(row.lora_r) == "" else "qlora" if _text(row.quantization) else "lora"
+    if _text(getattr(row, "lora_dropout", None)) not in ("", "0"):
+        name += "+dropout"
     if _text(getattr(row, "liger_kernel", False)) == "True":
         name += "+liger"
     if _text(getattr(row, "deepspeed", None)):

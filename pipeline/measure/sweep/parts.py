@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from pipeline.core.io import write_text
+from pipeline.core.io import cell, write_text
 from pipeline.core.paths import PEAKS
 from pipeline.training.step import Setting
 from pipeline.measure.sweep.jobs import Job, Point
@@ -86,8 +86,9 @@ def last_progress(part, started: float) -> float:
 # --- resume rules ----------------------------------------------------------------------------------
 
 def row_key(row: dict) -> tuple:
+    """The row's point key, missing values (None, NaN, pandas' NA) alike as None."""
     row = with_client_columns(row)
-    return tuple(row.get(column) for column in POINT_KEY)
+    return tuple(cell(row, column) for column in POINT_KEY)
 
 
 def pending_points(job: Job, rows: list[dict], retry_errors: bool = False) -> list[Point]:

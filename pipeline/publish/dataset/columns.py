@@ -77,6 +77,8 @@ COLUMNS = {
     "lora_alpha": ("", "LoRA alpha (scale; changes no memory)"),
     "lora_targets": ("", "modules given LoRA adapters: all-linear or module names joined by commas"),
     "quantization": ("", "QLoRA base: nf4 (4-bit) or int8 (8-bit) by bitsandbytes; empty: not quantized"),
+    "lora_dropout": ("fraction", "LoRA dropout on each adapter's input (PEFT's lora_dropout; 0: none, as in rows written "
+                                 "before the column; empty: full fine-tuning)"),
     "trainable_parameters": ("parameters", "parameters that train (the adapters'; N for full fine-tuning)"),
     "num_gpus": ("count", "GPUs of the run (N; 1: one GPU); every peak is one GPU's"),
     "sharding": ("", "how the data-parallel GPUs hold the model: ddp, fsdp (FSDP2, resharding after the forward), "
