@@ -21,7 +21,7 @@ FLAGS = {"batch": "--batch", "seq": "--seq", "precision": "--precision", "weight
          "client": "--client",
          "optimizer": "--optimizer", "optim": "--optim", "gradient_accumulation": "--gradient-accumulation",
          "checkpointing": "--checkpointing", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
-         "lora_targets": "--lora-targets", "quantization": "--quantization", "num_gpus": "--num-gpus",
+         "lora_targets": "--lora-targets", "lora_dropout": "--lora-dropout", "quantization": "--quantization", "num_gpus": "--num-gpus",
          "sharding": "--sharding", "shard_group": "--shard-group", "tensor_parallel": "--tensor-parallel",
          "accelerate_config": "--accelerate-config", "gpu": "--gpu", "gpu_memory_gib": "--gpu-memory",
          "expandable_segments": "--expandable-segments", "method": "--method", "max_batch_size": "--max-batch-size",
@@ -89,6 +89,17 @@ def request(url: str, body: bytes | None = None, method: str | None = None, time
 
 def ask(url: str, question: dict) -> tuple:
     return request(f"{url}/api/estimate", json.dumps(question).encode())
+
+
+def stream(url: str, question: dict, timeout: float = 300) -> tuple:
+    """(HTTP status, the events of /api/layouts as they came: one JSON object a line; or the error body)."""
+    req = urllib.request.Request(f"{url}/api/layouts", data=json.dumps(question).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as response:
+            return response.status, [json.loads(line) for line in response if line.strip()]
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read().decode())
 
 
 def cli_args(question: dict, folder: Path | None = None) -> list[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, offline_env
-from serve_support import TINY_CONFIG, ask, cli_json, request, running_server
+from serve_support import TINY_CONFIG, ask, cli_json, request, running_server, stream
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -122,6 +122,30 @@ def test_the_fewest_gpus_of_a_13b_model(server):
                                                                          "num_gpus": 1024})
     assert found["min_gpus"] == 2 and found["layout"]["layout"] == "2 GPUs, fsdp"
     assert [row["num_gpus"] for row in found["layouts"]] == [1, 2, 2, 2, 2]
+
+
+def test_the_layouts_stream_sends_each_row_as_it_is_answered(server):
+    """/api/layouts: the fewest GPUs of the 13B question event by event (each N announced, then its rows), and the
+    exact table of a small llama on 1 to 4 GPUs (9 layouts: the loop's hsdp and tensor parallelism too) row by row as its simulations end; the last event's answer is
+    /api/estimate's. A question that is not a layouts search is 400 before any line."""
+    status, events = stream(server, {**LLAMA_13B, "min_gpus": True})
+    assert status == 200 and [e["event"] for e in events] == ["start", "count", "row", "count", "row", "row", "row",
+                                                              "row", "end"]
+    assert events[0]["layouts"] is None and [e["num_gpus"] for e in events if e["event"] == "count"] == [1, 2]
+    assert events[-1]["answer"] == answer_of(server, {**LLAMA_13B, "min_gpus": True})
+    assert [e["row"] for e in events if e["event"] == "row"] == events[-1]["answer"]["layouts"]
+    question = {"config": TINY_CONFIG, "batch": 2, "seq": 128, "precision": "bf16", "method": "exact", "gpu": "T4",
+                "layouts": True, "num_gpus": 4}
+    status, events = stream(server, question)
+    assert status == 200 and events[0] == {"event": "start", "layouts": 9} and events[-1]["event"] == "end"
+    rows = {e["index"]: e["row"] for e in events if e["event"] == "row"}
+    assert sorted(rows) == list(range(9)) and [rows[i] for i in range(9)] == events[-1]["answer"]["layouts"]
+    assert events[-1]["answer"]["method"] == "exact" and all(row["peak_bytes"] > 0 for row in rows.values())
+    assert events[-1]["answer"] == answer_of(server, question)
+    status, body = stream(server, {"model": SMALL, "batch": 4, "seq": 1024, "precision": "bf16"})
+    assert status == 400 and body["error"].startswith('/api/layouts answers "layouts": true or "min_gpus": true')
+    status, body = stream(server, {**LLAMA_13B, "layouts": True, "gpu": "no such GPU"})
+    assert status == 400 and "no such GPU" in body["error"]
 
 
 def test_no_layout_fits_up_to_the_servers_limit(server):
@@ -421,6 +445,29 @@ def live_processes_of_group(group: int) -> list[int]:
         if int(fields[2]) == group and fields[0] != "Z":
             found.append(int(stat.parent.name))
     return found
+
+
+@pytest.mark.slow
+def test_a_streamed_search_past_the_limit_says_so_after_the_rows_it_has():
+    """Streamed, the exact table stopped at the server's time limit ends with a "stopped" event after the rows
+    simulated before it (they stand), and the next question runs."""
+    from pipeline.serve.worker import Simulator
+
+    simulator = Simulator(timeout_s=300, warm=False)
+    try:
+        small = {"config": TINY_CONFIG, "batch": 1, "seq": 64, "precision": "bf16", "method": "exact", "gpu": "T4"}
+        simulator.ask(small)
+        simulator.timeout_s = 25
+        events = list(simulator.ask_stream({**small, "layouts": True, "num_gpus": 1024,
+                                            "config": {**TINY_CONFIG, "num_hidden_layers": 24}}))
+        assert events[0]["event"] == "start" and events[-1]["event"] == "stopped"
+        assert "time limit of 25 s stopped the search" in events[-1]["reason"]
+        rows = [e for e in events if e["event"] == "row"]
+        assert 0 < len(rows) < events[0]["layouts"]
+        simulator.timeout_s = 300
+        assert simulator.ask(small)["method"] == "exact"
+    finally:
+        simulator.close()
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -502,6 +503,15 @@ LAYOUTS_SHOWN = """() => {
 }"""
 
 
+STREAMING = """() => {
+    const rows = [...document.getElementById('layouts-table').tBodies[0].rows];
+    return {exact: rows.filter((r) => r.dataset.method === 'exact').length,
+            formula: rows.filter((r) => r.dataset.method === 'formula').length,
+            method: document.getElementById('layouts-table').dataset.method,
+            status: document.getElementById('layouts-status').textContent};
+}"""
+
+
 def check_layouts(shown: dict, expected: dict) -> None:
     """The page's table (`shown`) is the command's `--layouts` / `--min-gpus` JSON row by row."""
     assert shown["method"] == expected["method"]
@@ -520,8 +530,8 @@ def check_layouts(shown: dict, expected: dict) -> None:
 
 
 def test_the_layouts_and_the_fewest_gpus_of_a_several_gpu_question(page, server):
-    """Layouts on 1 to 4 GPUs (the GPUs asked), the formula's table at once and the exact one after, each the
-    command's; ddp does not fit where fsdp does. Then the fewest GPUs: "2 GPUs: fsdp", and the rows it tried."""
+    """Layouts on 1 to 4 GPUs (the GPUs asked), the formula's table at once and the exact rows streamed in over it
+    as each simulation ends, with the progress said; each table the command's; ddp does not fit where fsdp does. Then the fewest GPUs: "2 GPUs: fsdp", and the rows it tried."""
     page.goto(server)
     wait_for_models(page)
     ask_on_the_page(page, SEVERAL)
@@ -531,7 +541,12 @@ def test_the_layouts_and_the_fewest_gpus_of_a_several_gpu_question(page, server)
     asked = {**{k: v for k, v in SEVERAL.items() if k != "sharding"}, "layouts": True}
     formula = poll(page, LAYOUTS_SHOWN, lambda s: s["method"] == "formula", 30)
     assert formula["cli"] == cli_text(asked, "formula")
+    # the exact rows stream in (/api/layouts), each replacing the formula's of its layout, the progress said
+    streaming = poll(page, STREAMING, lambda s: s["exact"] > 0 and s["formula"] > 0, 300)
+    assert re.fullmatch(r"exact: \d+ of 10 layouts simulated \(the rest are the formula's\)… \d+ s", streaming["status"])
+    assert streaming["method"] == "formula"  # the table's answer is the formula's until the last exact row
     exact = poll(page, LAYOUTS_SHOWN, lambda s: s["method"] == "exact", 300)
+    assert poll(page, STREAMING, lambda s: s["exact"] == 10, 5)["status"] == ""
     page.wait_for_timeout(300)
     screenshot(page, "09-layouts-exact.png")
     layouts = page.locator("#layouts").bounding_box()

@@ -93,6 +93,33 @@ def test_fsdp_under_accelerate_keeps_fp32_shards_of_a_bf16_model():
     assert lora_fsdp["parameters"] < 0.6 * lora_ddp["parameters"]
 
 
+def test_the_optimizers_in_place_ops_on_dtensors_run_on_their_local_tensors(monkeypatch):
+    """The shortcut past DTensor's sharding propagation (`distributed.tracker.SubclassAwareCache`: in-place ops that
+    return nothing, over DTensors of one mesh and placement, on their local tensors) changes no byte: the Trainer's
+    fused AdamW and the loop's foreach AdamW under FSDP2, with it and without it, answer the same peaks, phases and
+    reserved bytes (a 70B LoRA step under FSDP2 on 8 GPUs: 35 s -> 25 s on a 2-core CPU)."""
+    import pipeline.simulate.distributed.tracker as tracker
+    from pipeline.simulate import simulate
+
+    from conftest import TINY_LLAMA
+
+    calls = []
+    shortcut = tracker._one_layout
+    monkeypatch.setattr(tracker, "_one_layout", lambda dtensors: calls.append(1) or shortcut(dtensors))
+    runs = [Run(2, 16, "bf16-autocast", client="trainer", num_gpus=2, sharding="fsdp", adapter=AdapterSpec.make(8)),
+            Run(2, 16, "fp32", num_gpus=4, sharding="fsdp")]
+    config = {**TINY_LLAMA, "torch_dtype": "bfloat16"}
+    fast = [simulate(config, run) for run in runs]
+    assert calls
+    refused = []
+    monkeypatch.setattr(tracker, "_one_layout", lambda dtensors: refused.append(1) and False)
+    slow = [simulate(config, run) for run in runs]
+    assert len(refused) == len(calls)
+    for a, b in zip(fast, slow):
+        assert (a.peak_bytes, a.reserved_bytes, a.components, a.details.get("phase_peaks")) == \
+            (b.peak_bytes, b.reserved_bytes, b.components, b.details.get("phase_peaks"))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(client="trainer", sharding="hsdp", shard_group=2, num_gpus=4), "is simulated for the loop client"),
     (dict(client="sft", sharding="fsdp", num_gpus=2, adapter=AdapterSpec.make(8, quantization="int8")),

@@ -407,7 +407,7 @@ def with_worst_step(result: dict, estimator: Estimator, target: Target, run: Run
 
 
 def _what(options: dict) -> dict:
-    return {k: options[k] for k in ("model", "config", "params", "active_params")}
+    return {k: options.get(k) for k in ("model", "config", "params", "active_params")}
 
 
 def with_notes(result: dict, notes: list) -> dict:
@@ -494,18 +494,45 @@ def max_seq_len(model=None, config=None, params=None, *, batch=None, precision=N
 
 def layouts_answer(estimator, target, run, dev, fewest: bool, num_gpus: int | None) -> dict:
     """The layouts table (N = 1, 2, 4, ... up to `num_gpus`, default 8) or the fewest GPUs that fit, as JSON."""
+    *_, end = layouts_events(estimator, target, run, dev, fewest, num_gpus)
+    return end["answer"]
+
+
+def layouts_events(estimator, target, run, dev, fewest: bool, num_gpus: int | None):
+    """`layouts_answer` as it is made: {"event": "start", "layouts": the table's rows to come (None for the fewest
+    GPUs, which asks N after N)}, the search's events as each layout is answered ({"event": "row", "index",
+    "row"}; the fewest GPUs' {"event": "count", "num_gpus", "layouts"} before each N), then {"event": "end",
+    "answer": the answer}."""
     from pipeline.core.vocabulary import MAX_GPUS
-    from pipeline.estimate.layout_search import doubling, fewest_gpus, layouts_table
+    from pipeline.estimate.layout_search import doubling, fewest_gpus_events, layout_rows, planned_layouts
 
     base = {"method": estimator.name, "model_id": target.model_id, "parameters": target.parameters,
             "batch_size": run.batch, "seq_len": run.seq, "precision": run.precision, "client": run.client,
             "checkpointing": run.checkpointing, "gpu": dev.name, "device_total_bytes": dev.total_bytes}
+    rows = []
     if fewest:
-        found, rows = fewest_gpus(estimator, target, run, dev, num_gpus or MAX_GPUS)
+        yield {"event": "start", "layouts": None}
+        found = 0
+        for event in fewest_gpus_events(estimator, target, run, dev, num_gpus or MAX_GPUS):
+            if event["event"] == "found":
+                found = event["min_gpus"]
+                continue
+            if event["event"] == "count":
+                rows += [None] * event["layouts"]
+            else:
+                rows[event["index"]] = event["row"]
+            yield event
         fitting = [r for r in rows if r["fits"] and r["num_gpus"] == found]
         best = max(fitting, key=lambda r: r["headroom_bytes"]) if fitting else None
-        return {**base, "min_gpus": found, "layout": best, "layouts": rows}
-    return {**base, "layouts": layouts_table(estimator, target, run, dev, doubling(num_gpus or 8))}
+        yield {"event": "end", "answer": {**base, "min_gpus": found, "layout": best, "layouts": rows}}
+        return
+    counts = doubling(num_gpus or 8)
+    rows = [None] * len(planned_layouts(target, run, counts))
+    yield {"event": "start", "layouts": len(rows)}
+    for index, row in layout_rows(estimator, target, run, dev, counts):
+        rows[index] = row
+        yield {"event": "row", "index": index, "row": row}
+    yield {"event": "end", "answer": {**base, "layouts": rows}}
 
 
 def layouts(model=None, config=None, params=None, *, batch=None, seq=None, precision=None, optimizer=None,
@@ -522,9 +549,19 @@ def layouts(model=None, config=None, params=None, *, batch=None, seq=None, preci
     peak, reserved bytes and verdict; with `min_gpus` the fewest GPUs that fit (doubling up to `num_gpus`, default
     4096) and the best layout there. The other options are `estimate`'s (an `accelerate_config` gives its mixed
     precision and what it says of the clients); the layout is the table's to vary."""
-    options = dict(locals(), num_gpus=None)
+    *_, end = layouts_stream(**locals())
+    return end["answer"]
+
+
+def layouts_stream(**options):
+    """`layouts` as it goes (its keyword arguments): the events of `layouts_events`, the last one's answer with the
+    question's notes. Bad options raise at the first event."""
+    num_gpus, min_gpus = options.get("num_gpus"), bool(options.pop("min_gpus", False))
+    options["num_gpus"] = None
     if options.get("deepspeed") is not None:
         raise UserError("the layouts table compares ddp and FSDP2 layouts; ask a DeepSpeed config with num_gpus")
-    dev = required_device(gpu, gpu_memory_gib)
-    estimator, target, run, notes = prepared(_what(options), options, method, coefficients, dev)
-    return with_notes(layouts_answer(estimator, target, run, dev, min_gpus, num_gpus), notes)
+    dev = required_device(options.get("gpu"), options.get("gpu_memory_gib"))
+    estimator, target, run, notes = prepared(_what(options), options, options.get("method"),
+                                             options.get("coefficients"), dev)
+    for event in layouts_events(estimator, target, run, dev, min_gpus, num_gpus):
+        yield {**event, "answer": with_notes(event["answer"], notes)} if event["event"] == "end" else event

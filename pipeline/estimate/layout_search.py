@@ -1,10 +1,11 @@
 """Which layouts fit, and the fewest GPUs that do: the question people ask before they rent a cluster.
 
-`layouts_table(estimator, target, run, dev, counts)`: for each N of `counts` the candidate layouts
+`layout_rows(estimator, target, run, dev, counts)`: for each N of `counts` the candidate layouts
 (`training.layout.candidate_layouts`: ddp, fsdp, fsdp-no-reshard; for the loop also hsdp across nodes and tensor
 parallelism within one), each answered by the estimator with the run's other settings: per-GPU peak, reserved
 bytes, the verdict on `dev` (NCCL's memory outside PyTorch counted by the layout's communicators) and the
-headroom. `fewest_gpus(...)`: the smallest N (doubling from 1) with a layout that fits, and its rows.
+headroom, each yielded as it is answered. `fewest_gpus_events(...)`: the search for the smallest N
+(doubling from 1) with a layout that fits, event by event.
 """
 
 from __future__ import annotations
@@ -63,20 +64,31 @@ def heads_of(target) -> tuple:
     return tuple(h for h in (get("num_attention_heads"), get("num_key_value_heads")) if isinstance(h, int) and h > 0)
 
 
-def layouts_table(estimator, target, run: Run, dev, counts, workers: int | None = None) -> list[dict]:
-    """The rows of every candidate layout of every N in `counts`. The simulator's answers (seconds each for a 70B
-    model) are asked of `workers` processes at once (default: the CPUs there are, at most 4)."""
+def planned_layouts(target, run: Run, counts) -> list[Layout]:
+    """The candidate layouts of every N in `counts`, in the table's order."""
     heads = heads_of(target)
-    layouts = [layout for n in counts for layout in candidate_layouts(n, run.client, heads)]
+    return [layout for n in counts for layout in candidate_layouts(n, run.client, heads)]
+
+
+def layout_rows(estimator, target, run: Run, dev, counts, workers: int | None = None):
+    """(index in `planned_layouts`, row) of each layout as it is answered: in order for the closed forms, as each
+    simulation ends for the exact method, whose answers (seconds each for a 70B model) are asked of `workers`
+    processes at once (default: the CPUs there are, at most 4)."""
+    layouts = planned_layouts(target, run, counts)
     workers = min(workers or os.cpu_count() or 1, 4, len(layouts))
     if estimator.name != "exact" or workers < 2:
-        return [layout_row(estimator, target, run, layout, dev) for layout in layouts]
+        for index, layout in enumerate(layouts):
+            yield index, layout_row(estimator, target, run, layout, dev)
+        return
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     # spawned, not forked: a process that has run autograd cannot fork it
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(layout_row, *zip(*[(estimator, target, run, layout, dev) for layout in layouts])))
+        futures = {pool.submit(layout_row, estimator, target, run, layout, dev): index
+                   for index, layout in enumerate(layouts)}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
 
 
 def doubling(limit: int) -> list[int]:
@@ -87,15 +99,23 @@ def doubling(limit: int) -> list[int]:
     return counts
 
 
-def fewest_gpus(estimator, target, run: Run, dev, limit: int = MAX_GPUS) -> tuple[int, list[dict]]:
-    """(the smallest N of 1, 2, 4, ... up to `limit` with a layout that fits `dev`, 0 if none; the rows asked)."""
-    rows = []
+def fewest_gpus_events(estimator, target, run: Run, dev, limit: int = MAX_GPUS):
+    """The fewest-GPUs search as it goes: {"event": "count", "num_gpus", "layouts"} before each N, {"event":
+    "row", "index", "row"} as each layout is answered (its index among all the rows asked), {"event": "found",
+    "min_gpus"} at the end (0: none fits)."""
+    asked = 0
     for n in doubling(limit):
-        found = layouts_table(estimator, target, run, dev, [n])
-        rows += found
-        if any(row["fits"] for row in found):
-            return n, rows
-    return 0, rows
+        planned = len(planned_layouts(target, run, [n]))
+        yield {"event": "count", "num_gpus": n, "layouts": planned}
+        fits = False
+        for index, row in layout_rows(estimator, target, run, dev, [n]):
+            fits = fits or bool(row["fits"])
+            yield {"event": "row", "index": asked + index, "row": row}
+        asked += planned
+        if fits:
+            yield {"event": "found", "min_gpus": n}
+            return
+    yield {"event": "found", "min_gpus": 0}
 
 
 def table_text(rows: list[dict]) -> str:

@@ -5,6 +5,12 @@
   by `pipeline.estimate.layouts`); the answer is what `python -m pipeline estimate ... --json` prints for the same
   options. `GET /api/estimate?model=...` takes the same fields as a query (not the JSON-object ones; `lengths` as
   token counts joined by commas): a link to an answer.
+- `POST /api/layouts` (or GET with a query): a `"layouts": true` or `"min_gpus": true` question answered as it
+  goes, one JSON object a line (NDJSON): {"event": "start", "layouts": the rows to come (null for the fewest GPUs)},
+  {"event": "count", "num_gpus", "layouts"} before each N of the fewest-GPUs search, {"event": "row", "index",
+  "row"} as each layout is answered (the exact method's in the order its simulations end), then {"event": "end",
+  "answer": what /api/estimate answers}; or, last, {"event": "stopped", "reason"} at the server's time limit (the
+  rows sent stand) or {"event": "error", "error"}. Bad input is HTTP 400 before any line.
 - `GET /api/models`: the registry; `GET /api/gpus`: the GPU catalogue; `GET /api/accuracy`: each
   method's measured accuracy on the standard step; `GET /api/setting-accuracy?client=sft&precision=...`:
   each method's measured accuracy on the setting an answer names (its client, precision, lora_r,
@@ -25,9 +31,9 @@ import threading
 from pathlib import Path
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -37,8 +43,8 @@ from pipeline.serve.catalogue import accuracy as accuracy_of_methods
 from pipeline.serve.catalogue import gpus as gpu_catalogue
 from pipeline.serve.catalogue import models as registry_models
 from pipeline.serve.catalogue import setting_accuracy
-from pipeline.serve.questions import (LIMITS, MAX_BODY_BYTES, MAX_NUM_GPUS, answer, check, from_query, needs_torch,
-                                      parse_body, to_json)
+from pipeline.serve.questions import (LIMITS, MAX_BODY_BYTES, MAX_NUM_GPUS, answer, check, from_query,
+                                      layouts_events_of, needs_torch, parse_body, to_json)
 from pipeline.serve.worker import SimulationTimeout, Simulator, WorkerDied, log
 
 STATIC = Path(__file__).with_name("static")
@@ -88,6 +94,22 @@ def create_app(simulator: Simulator | None = None, timeout_s: float = 120.0, war
             return error(500, str(exc))
         return Response(to_json(result), media_type="application/json")
 
+    async def layouts_endpoint(request: Request) -> Response:
+        try:
+            question = check(parse_body(await read_body(request)) if request.method == "POST"
+                             else from_query(request.query_params))
+            if not (question.get("layouts") or question.get("min_gpus")):
+                raise UserError('/api/layouts answers "layouts": true or "min_gpus": true (the other questions: '
+                                '/api/estimate)')
+            events = simulator.ask_stream(question) if needs_torch(question) else layouts_events_of(question)
+            first = await run_in_threadpool(next, events, None)  # bad input raises here, before any line
+        except UserError as exc:
+            return error(413 if str(exc).startswith("the request is over") else 400, str(exc))
+        except WorkerDied as exc:
+            log(str(exc))
+            return error(500, str(exc))
+        return StreamingResponse(event_lines(first, events), media_type="application/x-ndjson")
+
     async def models(request: Request) -> Response:
         return JSONResponse(await run_in_threadpool(listed, "models", registry_models))
 
@@ -128,10 +150,29 @@ def create_app(simulator: Simulator | None = None, timeout_s: float = 120.0, war
             simulator.close()
 
     routes = [Route("/", page), Route("/api/estimate", estimate_endpoint, methods=["GET", "POST"]),
+              Route("/api/layouts", layouts_endpoint, methods=["GET", "POST"]),
               Route("/api/models", models), Route("/api/gpus", gpus), Route("/api/accuracy", accuracy),
               Route("/api/setting-accuracy", accuracy_of_setting),
               Route("/api/info", info), Mount("/static", StaticFiles(directory=STATIC), name="static")]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={Exception: internal})
+
+
+async def event_lines(first: dict, events):
+    """The events as NDJSON lines; a failure after the first line is the last line, one sentence; a client that
+    goes away closes the events (the simulator stops its search)."""
+    import json
+
+    try:
+        yield json.dumps(first) + "\n"
+        async for event in iterate_in_threadpool(events):
+            yield json.dumps(event) + "\n"
+    except UserError as exc:
+        yield json.dumps({"event": "error", "error": str(exc)}) + "\n"
+    except WorkerDied as exc:
+        log(str(exc))
+        yield json.dumps({"event": "error", "error": str(exc)}) + "\n"
+    finally:
+        await run_in_threadpool(events.close)
 
 
 async def read_body(request: Request) -> bytes:

@@ -324,10 +324,16 @@ def answer(q: dict) -> dict:
 def layouts_answer(q: dict) -> dict:
     """`pipeline.estimate.layouts` of the question: the table for N = 1, 2, 4, ... up to num_gpus, or the fewest
     GPUs that fit (`min_gpus`); the layout fields are the table's to vary, as `--layouts` drops them."""
-    from pipeline.estimate import layouts
+    *_, end = layouts_events_of(q)
+    return end["answer"]
+
+
+def layouts_events_of(q: dict):
+    """`layouts_answer`'s question as it goes (`pipeline.estimate.api.layouts_stream`): its events."""
+    from pipeline.estimate.api import layouts_stream
 
     kwargs = {name: value for name, value in q.items() if name not in (*LAYOUT_FIELDS, *SEARCHES)}
-    return layouts(**kwargs, min_gpus=bool(q.get("min_gpus")))
+    return layouts_stream(**kwargs, min_gpus=bool(q.get("min_gpus")))
 
 
 def to_json(result: dict) -> str:

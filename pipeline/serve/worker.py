@@ -8,7 +8,7 @@ the server's event loop and the formula's answers free (a second core), a simula
 past the time limit can be stopped (the process is killed and a fresh one started), and a crash
 costs one answer, not the server. Questions queue on a lock in the order they came.
 
-The exact layouts table simulates its layouts in processes of its own (`estimate.layout_search.layouts_table`): the
+The exact layouts table simulates its layouts in processes of its own (`estimate.layout_search.layout_rows`): the
 worker is therefore not a daemon (a daemon may not start processes) and leads a process group of its own, so
 that stopping it stops them too.
 """
@@ -42,8 +42,10 @@ class WorkerDied(Exception):
 
 
 def serve_questions(conn, warm: bool) -> None:
-    """The worker's loop: a question in, ("ok", answer) or ("error", one line) or ("internal", one line) out."""
-    from pipeline.serve.questions import answer
+    """The worker's loop: a question in, ("ok", answer) or ("error", one line) or ("internal", one line) out; a
+    streamed question (("stream", question): the layouts table or the fewest GPUs) sends ("event", event) for each
+    of its events first (`questions.layouts_events_of`), then ("ok", None)."""
+    from pipeline.serve.questions import answer, layouts_events_of
 
     if hasattr(os, "setpgrp"):
         os.setpgrp()
@@ -59,7 +61,12 @@ def serve_questions(conn, warm: bool) -> None:
         except (EOFError, OSError):
             return
         try:
-            reply = ("ok", answer(question))
+            if isinstance(question, tuple) and question[0] == "stream":
+                for event in layouts_events_of(question[1]):
+                    conn.send(("event", event))
+                reply = ("ok", None)
+            else:
+                reply = ("ok", answer(question))
         except UserError as exc:
             reply = ("error", str(exc))
         except Exception as exc:  # noqa: BLE001 - one line to the user, the traceback to the server's log
@@ -127,6 +134,38 @@ class Simulator:
         if kind == "error":
             raise UserError(payload)
         raise WorkerDied(f"internal error in the simulator: {payload}")
+
+    def ask_stream(self, question: dict):
+        """The worker's events of a streamed question (the layouts table, the fewest GPUs), as they come; past the
+        time limit the worker is stopped and {"event": "stopped", "reason": ...} is the last (the rows sent before
+        it stand). UserError for bad input (at the first event), WorkerDied."""
+        with self._lock:
+            self._ensure_started()
+            started = time.monotonic()
+            try:
+                self._conn.send(("stream", question))
+                while True:
+                    if not self._conn.poll(max(0.0, started + self.timeout_s - time.monotonic())):
+                        self._stop()
+                        yield {"event": "stopped", "reason": f"the server's time limit of {self.timeout_s:g} s "
+                                                             "stopped the search"}
+                        return
+                    kind, payload = self._conn.recv()
+                    if kind != "event":
+                        break
+                    yield payload
+            except (EOFError, OSError, BrokenPipeError):
+                code = self._process.exitcode if self._process else None
+                self._stop()
+                raise WorkerDied(f"the simulator's process died (exit code {code}) after "
+                                 f"{time.monotonic() - started:.1f} s") from None
+            except GeneratorExit:  # the client went away: the worker may be mid-search
+                self._stop()
+                raise
+        if kind == "error":
+            raise UserError(payload)
+        if kind != "ok":
+            raise WorkerDied(f"internal error in the simulator: {payload}")
 
     def _stop(self) -> None:
         process, conn = self._process, self._conn

@@ -606,20 +606,31 @@ async function pumpExact() {
     if (job.gen !== state.gen) continue;
     const started = performance.now();
     const show = kind === "layouts" ? setLayoutsStatus : setStatus;
-    const tick = setInterval(() => show(statusText(((performance.now() - started) / 1000).toFixed(0), kind)), 500);
+    const progress = () => kind === "layouts" && state.layouts && state.layouts.progress
+      && !state.layouts.progress.finished && state.layouts.progress;
+    const tick = setInterval(() => show(progress() ? progressText(progress())
+      : statusText(((performance.now() - started) / 1000).toFixed(0), kind)), 500);
     show(statusText(0, kind));
-    const result = await ask(job.q);
-    clearInterval(tick);
-    if (job.gen !== state.gen) continue;
     if (kind === "layouts") {
-      show("");
       const shown = state.layouts;
-      if (!shown || shown.exactQuestion !== job.q) continue;  // the other button was pressed meanwhile
-      if (result.ok) Object.assign(shown, {exact: result.body, exactSeconds: result.seconds});
+      const result = await streamLayouts(job.q, (progress) => {
+        if (state.layouts !== shown || job.gen !== state.gen) return;
+        shown.progress = progress;
+        renderLayouts();
+      });
+      clearInterval(tick);
+      if (shown && shown.progress) shown.progress.finished = true;
+      if (job.gen !== state.gen) continue;
+      show("");
+      if (!shown || state.layouts !== shown || shown.exactQuestion !== job.q) continue;  // the other button meanwhile
+      if (result.ok) Object.assign(shown, {exact: result.body, exactSeconds: result.seconds, progress: null});
       else shown.exactError = result.body.error;
       renderLayouts();
       continue;
     }
+    const result = await ask(job.q);
+    clearInterval(tick);
+    if (job.gen !== state.gen) continue;
     if (kind === "estimate") {
       if (result.ok) {
         state.exact = result.body;
@@ -638,6 +649,52 @@ async function pumpExact() {
     render();
   }
   state.exactBusy = false;
+}
+
+// The exact layouts as the server simulates them (/api/layouts: one JSON event a line): `onProgress` gets the rows
+// so far ({rows: {layout: row}, done, total}) after each; the answer at the end, or the error (a stop at the
+// server's time limit among them: the rows sent before it stay shown).
+async function streamLayouts(q, onProgress) {
+  const started = performance.now();
+  const progress = {rows: {}, done: 0, total: null, started};
+  let response;
+  try {
+    response = await fetch("/api/layouts", {method: "POST", headers: {"Content-Type": "application/json"},
+                                            body: JSON.stringify(q)});
+  } catch (e) {
+    return {ok: false, body: {error: `the server cannot be reached (${e.message})`}};
+  }
+  if (response.status !== 200) {
+    let body;
+    try { body = await response.json(); } catch { body = {error: `the server answered HTTP ${response.status}`}; }
+    return {ok: false, body};
+  }
+  const reader = response.body.getReader(), decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    buffer += decoder.decode(value || new Uint8Array(), {stream: !done});
+    let end;
+    while ((end = buffer.indexOf("\n")) >= 0) {
+      const line = buffer.slice(0, end).trim();
+      buffer = buffer.slice(end + 1);
+      if (!line) continue;
+      const event = JSON.parse(line);
+      const seconds = (performance.now() - started) / 1000;
+      if (event.event === "start") progress.total = event.layouts;
+      else if (event.event === "count") progress.total = (progress.total || 0) + event.layouts;
+      else if (event.event === "row") {
+        progress.rows[event.row.layout] = event.row;
+        progress.done += 1;
+        onProgress(progress);
+      } else if (event.event === "end") return {ok: true, body: event.answer, seconds};
+      else if (event.event === "stopped") {
+        return {ok: false, body: {error: `${event.reason} after ${progress.done} exact rows (shown; the others are `
+                                         + "the formula's)"}};
+      } else if (event.event === "error") return {ok: false, body: {error: event.error}};
+    }
+    if (done) return {ok: false, body: {error: "the server's answer ended before the table did"}};
+  }
 }
 
 function statusText(seconds, kind) {
@@ -1184,8 +1241,20 @@ function renderLayouts() {
     + (shown.exact ? "" : shown.exactError ? "" : "; the exact simulation replaces it when it comes");
   const main = state.exact || state.formula;
   const asked = main && main.num_gpus > 1 ? layoutWords(main) : null;
-  table.tBodies[0].replaceChildren(...a.layouts.map((row) => layoutRow(row, a.layout, asked)));
-  table.classList.toggle("no-why", !a.layouts.some((row) => row.reason));
+  // while the exact rows stream in, each replaces the formula's of its layout (a layout the formula's search did
+  // not reach comes after them)
+  const streamed = !shown.exact && shown.progress ? shown.progress.rows : {};
+  const rows = a.layouts.map((row) => streamed[row.layout] ? [streamed[row.layout], "exact"] : [row, a.method]);
+  const listed = new Set(a.layouts.map((row) => row.layout));
+  for (const row of Object.values(streamed)) if (!listed.has(row.layout)) rows.push([row, "exact"]);
+  table.tBodies[0].replaceChildren(...rows.map(([row, method]) => layoutRow(row, a.layout, asked, method)));
+  table.classList.toggle("no-why", !rows.some(([row]) => row.reason));
+  if (shown.progress && !shown.exact && !shown.progress.finished) setLayoutsStatus(progressText(shown.progress));
+}
+
+function progressText(p) {
+  const seconds = ((performance.now() - p.started) / 1000).toFixed(0);
+  return `exact: ${p.done} of ${p.total ?? "?"} layouts simulated (the rest are the formula's)… ${seconds} s`;
 }
 
 function layoutsSummary(a, shown) {
@@ -1201,10 +1270,11 @@ function layoutsSummary(a, shown) {
     + `per GPU (${a.method})`;
 }
 
-function layoutRow(row, best, asked) {
+function layoutRow(row, best, asked, method) {
   const tr = document.createElement("tr");
   tr.dataset.fits = String(row.fits);
   tr.dataset.layout = row.layout;
+  tr.dataset.method = method;
   if (best && best.layout === row.layout) tr.classList.add("best");
   if (row.layout === asked) {
     tr.classList.add("asked");

@@ -60,7 +60,11 @@ def collective_wrap_stand_ins() -> dict:
 
 
 class SubclassAwareCache:
-    """The meta output cache, skipped for ops on DTensors (it would remake them as plain tensors)."""
+    """The meta output cache, skipped for ops on DTensors (it would remake them as plain tensors). An in-place op
+    that returns nothing (the optimizers' `_fused_adamw_`, `_foreach_mul_`, ...) over DTensors of one mesh and one
+    placement runs on their local tensors, as DTensor's dispatch would after proving that no redistribution is
+    needed: that proof (its sharding propagation) is slow over lists of hundreds of parameters (a 70B model's
+    optimizer step: 26 s of 72) and allocates nothing."""
 
     def __init__(self, cache):
         self.cache = cache
@@ -68,9 +72,34 @@ class SubclassAwareCache:
     def run(self, func, args, kwargs):
         from torch.distributed.tensor import DTensor
 
-        if any(isinstance(a, DTensor) for a in _flat(args)) or any(isinstance(a, DTensor) for a in _flat(kwargs)):
-            return func(*args, **kwargs)
-        return self.cache.run(func, args, kwargs)
+        dtensors = [a for a in _flat(args) if isinstance(a, DTensor)] + \
+            [a for a in _flat(kwargs) if isinstance(a, DTensor)]
+        if not dtensors:
+            return self.cache.run(func, args, kwargs)
+        if not func._schema.returns and _one_layout(dtensors):
+            return func(*_locals(args), **dict(zip(kwargs, _locals(kwargs.values()))))
+        return func(*args, **kwargs)
+
+
+def _one_layout(dtensors) -> bool:
+    """Whether the DTensors share their mesh and placements, none of them partial (a pending reduction)."""
+    first = dtensors[0]
+    return not any(p.is_partial() for p in first.placements) and all(
+        d.device_mesh == first.device_mesh and d.placements == first.placements for d in dtensors)
+
+
+def _locals(values) -> list:
+    """`values` with each DTensor (in lists and tuples too) replaced by its local tensor."""
+    from torch.distributed.tensor import DTensor
+
+    def local(value):
+        if isinstance(value, DTensor):
+            return value._local_tensor
+        if isinstance(value, (list, tuple)):
+            return type(value)(local(v) for v in value)
+        return value
+
+    return [local(v) for v in values]
 
 
 def _flat(value):
