@@ -10,6 +10,7 @@ headroom, each yielded as it is answered. `fewest_gpus_events(...)`: the search 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 
@@ -19,6 +20,8 @@ from pipeline.estimate.verdict import judge, limited, run_outside_bytes
 from pipeline.formulas.components import optimizer_bytes
 from pipeline.training.layout import Layout, candidate_layouts
 from pipeline.training.values import GIB, Run
+
+MAX_WORKERS = 4  # the exact layouts' simulations at once (each holds a model's trace: about 1 GB)
 
 
 def layout_row(estimator, target, run: Run, layout: Layout, dev) -> dict:
@@ -75,20 +78,38 @@ def layout_rows(estimator, target, run: Run, dev, counts, workers: int | None = 
     simulation ends for the exact method, whose answers (seconds each for a 70B model) are asked of `workers`
     processes at once (default: the CPUs there are, at most 4)."""
     layouts = planned_layouts(target, run, counts)
-    workers = min(workers or os.cpu_count() or 1, 4, len(layouts))
+    with simulations(estimator, workers, len(layouts)) as pool:
+        yield from answered(pool, estimator, target, run, layouts, dev)
+
+
+@contextlib.contextmanager
+def simulations(estimator, workers: int | None = None, most: int = MAX_WORKERS):
+    """The processes the exact method's layouts are simulated in (spawned once for a whole search: each pays the
+    imports once), or None where they are answered here (the closed forms, or a single CPU)."""
+    workers = min(workers or os.cpu_count() or 1, MAX_WORKERS, most)
     if estimator.name != "exact" or workers < 2:
-        for index, layout in enumerate(layouts):
-            yield index, layout_row(estimator, target, run, layout, dev)
+        yield None
         return
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import ProcessPoolExecutor
 
     # spawned, not forked: a process that has run autograd cannot fork it
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(layout_row, estimator, target, run, layout, dev): index
-                   for index, layout in enumerate(layouts)}
-        for future in as_completed(futures):
-            yield futures[future], future.result()
+        yield pool
+
+
+def answered(pool, estimator, target, run: Run, layouts, dev):
+    """(index, row) of each of `layouts` as it is answered, in `pool` (`simulations`) or here."""
+    if pool is None:
+        for index, layout in enumerate(layouts):
+            yield index, layout_row(estimator, target, run, layout, dev)
+        return
+    from concurrent.futures import as_completed
+
+    futures = {pool.submit(layout_row, estimator, target, run, layout, dev): index
+               for index, layout in enumerate(layouts)}
+    for future in as_completed(futures):
+        yield futures[future], future.result()
 
 
 def doubling(limit: int) -> list[int]:
@@ -104,17 +125,18 @@ def fewest_gpus_events(estimator, target, run: Run, dev, limit: int = MAX_GPUS):
     "row", "index", "row"} as each layout is answered (its index among all the rows asked), {"event": "found",
     "min_gpus"} at the end (0: none fits)."""
     asked = 0
-    for n in doubling(limit):
-        planned = len(planned_layouts(target, run, [n]))
-        yield {"event": "count", "num_gpus": n, "layouts": planned}
-        fits = False
-        for index, row in layout_rows(estimator, target, run, dev, [n]):
-            fits = fits or bool(row["fits"])
-            yield {"event": "row", "index": asked + index, "row": row}
-        asked += planned
-        if fits:
-            yield {"event": "found", "min_gpus": n}
-            return
+    with simulations(estimator) as pool:
+        for n in doubling(limit):
+            layouts = planned_layouts(target, run, [n])
+            yield {"event": "count", "num_gpus": n, "layouts": len(layouts)}
+            fits = False
+            for index, row in answered(pool, estimator, target, run, layouts, dev):
+                fits = fits or bool(row["fits"])
+                yield {"event": "row", "index": asked + index, "row": row}
+            asked += len(layouts)
+            if fits:
+                yield {"event": "found", "min_gpus": n}
+                return
     yield {"event": "found", "min_gpus": 0}
 
 
