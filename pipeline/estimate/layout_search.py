@@ -22,6 +22,7 @@ from pipeline.training.layout import Layout, candidate_layouts
 from pipeline.training.values import GIB, Run
 
 MAX_WORKERS = 4  # the exact layouts' simulations at once (each holds a model's trace: about 1 GB)
+POOLS = {}  # workers -> the process pool of `simulations` kept for later searches ("keep": `keep_pools` was called)
 
 
 def layout_row(estimator, target, run: Run, layout: Layout, dev) -> dict:
@@ -84,8 +85,10 @@ def layout_rows(estimator, target, run: Run, dev, counts, workers: int | None = 
 
 @contextlib.contextmanager
 def simulations(estimator, workers: int | None = None, most: int = MAX_WORKERS):
-    """The processes the exact method's layouts are simulated in (spawned once for a whole search: each pays the
-    imports once), or None where they are answered here (the closed forms, or a single CPU)."""
+    """The processes the exact method's layouts are simulated in, or None where they are answered here (the closed
+    forms, or a single CPU): spawned for a whole search, or, where `keep_pools()` was called (the server's worker,
+    which asks many and is stopped by a kill), once for the process's later searches too: each pays the imports
+    once."""
     workers = min(workers or os.cpu_count() or 1, MAX_WORKERS, most)
     if estimator.name != "exact" or workers < 2:
         yield None
@@ -93,23 +96,46 @@ def simulations(estimator, workers: int | None = None, most: int = MAX_WORKERS):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    # spawned, not forked: a process that has run autograd cannot fork it
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield pool
+    if POOLS.get("keep") is None:
+        # spawned, not forked: a process that has run autograd cannot fork it
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            yield pool
+        return
+    pool = POOLS.get(workers)
+    if pool is None:
+        pool = POOLS[workers] = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    yield pool
+
+
+def keep_pools() -> None:
+    """Keep the simulation processes of `simulations` for this process's later searches (a process that is stopped
+    by a kill, not by returning: an interpreter exiting with such a pool would wait on it)."""
+    POOLS["keep"] = True
 
 
 def answered(pool, estimator, target, run: Run, layouts, dev):
-    """(index, row) of each of `layouts` as it is answered, in `pool` (`simulations`) or here."""
+    """(index, row) of each of `layouts` as it is answered, in `pool` (`simulations`) or here. A search stopped
+    midway leaves none of its simulations waiting; a pool whose process died is not used again."""
     if pool is None:
         for index, layout in enumerate(layouts):
             yield index, layout_row(estimator, target, run, layout, dev)
         return
     from concurrent.futures import as_completed
+    from concurrent.futures.process import BrokenProcessPool
 
-    futures = {pool.submit(layout_row, estimator, target, run, layout, dev): index
-               for index, layout in enumerate(layouts)}
-    for future in as_completed(futures):
-        yield futures[future], future.result()
+    futures = {}
+    try:
+        futures = {pool.submit(layout_row, estimator, target, run, layout, dev): index
+                   for index, layout in enumerate(layouts)}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+    except BrokenProcessPool:
+        for key in [key for key, kept in POOLS.items() if kept is pool]:
+            del POOLS[key]
+        raise
+    finally:
+        for future in futures:
+            future.cancel()
 
 
 def doubling(limit: int) -> list[int]:

@@ -49,6 +49,9 @@ def serve_questions(conn, warm: bool) -> None:
 
     if hasattr(os, "setpgrp"):
         os.setpgrp()
+    from pipeline.estimate.layout_search import keep_pools
+
+    keep_pools()  # the layouts' simulation processes stay for the next search (the worker is stopped by a kill)
     if warm:
         try:
             answer(WARM_UP)
