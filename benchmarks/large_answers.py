@@ -102,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    lines = [f"# Large exact answers, cold ({time.strftime('%Y-%m-%d')}, commit {commit}, {os.cpu_count()} CPUs, "
+    lines = [f"# Large exact answers, cold and warm ({time.strftime('%Y-%m-%d')}, commit {commit}, {os.cpu_count()} CPUs, "
              f"{platform.processor() or platform.machine()}, load {os.getloadavg()[0]:.2f} at start)", "",
              "| question | wall s | CPU s | ended |", "|---|---:|---:|---|"]
     for name, argv in CASES.items():
