@@ -9,6 +9,7 @@ import sys
 from pipeline.core.errors import UserError
 from pipeline.core.paths import CONFIGS, REPO_ROOT, RESULTS
 from pipeline.core.vocabulary import CLIENTS, PRECISIONS, SHARDINGS, SPLITS
+from pipeline.measure.distributed.plan import ADAPTERS
 
 
 def add_cli(subparsers) -> None:
@@ -50,7 +51,7 @@ def rank_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-history", help="rank 0 records the allocator's events to this file (.npz)")
     parser.add_argument("--rollout", help="grpo, rloo: the rollout's GRPOConfig keys (training.rollout), JSON")
     parser.add_argument("--packing", help="sft: packed or padding-free batches (training.packing), JSON")
-    parser.add_argument("--adapter", choices=("full", "lora", "qlora"), default="full")
+    parser.add_argument("--adapter", choices=ADAPTERS, default="full")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--seq", type=int, required=True)

@@ -35,7 +35,8 @@ def adapter_columns(adapter: str) -> dict:
 
 
 def point_key(row: dict) -> tuple:
-    adapter = ("qlora" if row.get("quantization") else "lora") if row.get("lora_r") else "full"
+    adapter = "full" if not row.get("lora_r") else "qlora" if row.get("quantization") else \
+        "lora-dropout" if row.get("lora_dropout") else "lora"
     group = row.get("shard_group")
     return (row["model_id"], row["client"], row["precision"], int(row["num_gpus"]), row["sharding"],
             None if group is None else int(group), int(row.get("tensor_parallel") or 1), adapter,

@@ -41,17 +41,19 @@ DEFAULT_KEYS = {"models", "clients", "precisions", "num_gpus", "shardings", "sha
                 "adapters", "checkpointing", "grid", "points", "split", "timeout_seconds", "configs", "deepspeed",
                 "hyperparameters", "alloc_conf", "memory_history", "rollouts", "packings"}
 PLAN_KEYS = DEFAULT_KEYS | {"groups"}
-ADAPTERS = ("full", "lora", "qlora")  # qlora: LoRA r=16 on an nf4 base
+ADAPTERS = ("full", "lora", "lora-dropout", "qlora")  # lora-dropout: with TRL's --use_peft dropout 0.05
 
 
 def plan_adapter(name: str, sharding: str | None = None):
-    """The AdapterSpec of a plan's adapter name (full: none; lora: LoRA r=16, alpha 32, all linear layers; qlora:
-    the same on an nf4 base, stored as `sharding` needs it)."""
+    """The AdapterSpec of a plan's adapter name (full: none; lora: LoRA r=16, alpha 32, all linear layers;
+    lora-dropout: the same with dropout 0.05, TRL's `--use_peft` default; qlora: LoRA on an nf4 base, stored as
+    `sharding` needs it)."""
     from pipeline.training.adapters import AdapterSpec
 
     if name == "full":
         return None
-    return AdapterSpec.make(16, quantization="nf4" if name == "qlora" else None).for_sharding(sharding)
+    return AdapterSpec.make(16, quantization="nf4" if name == "qlora" else None,
+                            dropout=0.05 if name == "lora-dropout" else None).for_sharding(sharding)
 # The precision a client runs on a model loaded in bf16 (the Trainer clients with bf16=True: bf16-autocast).
 DEFAULT_PRECISION = {"loop": "bf16", "trainer": "bf16-autocast", "sft": "bf16-autocast", "dpo": "bf16-autocast",
                      "grpo": "bf16-autocast", "rloo": "bf16-autocast"}
