@@ -88,6 +88,8 @@ SETTINGS_TABLES = {
     # config/sweep_lora_dropout_heldout.yaml: LoRA dropout (lora_dropout > 0) under the Trainer and SFTTrainer, on
     # LoRA and QLoRA bases, measured after the simulation ran PEFT's dropout, never tuned on
     "results/lora_dropout_heldout/h200/peak_memory.parquet": "held-out",
+    # config/sweep_lora_dropout_distributed_heldout.yaml: LoRA dropout under FSDP2, ZeRO-3 and DDP on 2 GPUs
+    "results/lora_dropout_distributed_heldout/h200/peak_memory.parquet": "held-out",
 }
 SETTINGS_SIMULATED = RESULTS / "settings_simulated.parquet"
 SETTINGS_VALIDATION = RESULTS / "settings_validation.parquet"
