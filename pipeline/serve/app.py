@@ -172,7 +172,8 @@ async def event_lines(first: dict, events):
         log(str(exc))
         yield json.dumps({"event": "error", "error": str(exc)}) + "\n"
     finally:
-        await run_in_threadpool(events.close)
+        with contextlib.suppress(ValueError):  # still running in a thread of its own (a client gone mid-ask)
+            await run_in_threadpool(events.close)
 
 
 async def read_body(request: Request) -> bytes:
